@@ -1,0 +1,48 @@
+"""Frozen engine configuration, validated once; the hot path receives values, not this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"            # auto (the folder's torch_dtype) | float32 | bfloat16 | float16
+    device: str = "cpu"            # cpu | cuda[:i] | npu[:i]
+    block_size: int = 16
+    num_gpu_blocks: int | None = None   # KV blocks; None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None    # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    min_decoding_batch_size: int = 0    # pad decode batches up to this (graph buckets)
+    attention_backend: str = "sdpa"
+    seed: int = 0
+
+    def __post_init__(self):
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        need(self.device.split(":")[0] in ("cpu", "cuda", "npu"),
+             f"device must be cpu, cuda[:i] or npu[:i], got {self.device!r}")
+        need(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+             f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        need(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2,
+             f"num_gpu_blocks must be >= 2 (block 0 is the padding block), "
+             f"got {self.num_gpu_blocks!r}")
+        need(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb must be > 0")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be >= 2, got {self.max_model_len}")
+        need(self.min_decoding_batch_size >= 0, "min_decoding_batch_size must be >= 0")
+        need(self.enable_chunked_prefill or self.max_model_len is None
+             or self.max_num_batched_tokens >= self.max_model_len,
+             "without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -1,0 +1,78 @@
+"""Rotary position embedding (rotate-half layout), cos/sin tables built once in float32.
+
+Scaling types as HF's configs name them: default, linear, llama3, yarn. The tables are
+indexed by position, so the decode path has no data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None,
+              max_pos: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq, attention_scaling)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rtype = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rtype == "default":
+        return inv, 1.0
+    factor = float(scaling["factor"])
+    if rtype == "linear":
+        return inv / factor, 1.0
+    if rtype == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wl, high_wl = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, out), 1.0
+    if rtype == "yarn":
+        old_len = scaling.get("original_max_position_embeddings") or max_pos / factor
+        beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0
+                                                      if factor > 1 else 1.0)
+
+        def dim_of(rot: float) -> float:
+            return (head_dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low = max(math.floor(dim_of(beta_fast)), 0)
+        high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low))
+        extrapolation = 1 - ramp.clamp(0, 1)
+        pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        inv_extra, inv_inter = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        return inv_inter * (1 - extrapolation) + inv_extra * extrapolation, float(mscale)
+    raise ValueError(f"rope scaling type {rtype!r} is not supported; supported: "
+                     f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict | None = None):
+        super().__init__()
+        inv, attn_scale = _inv_freq(head_dim, theta, scaling, max_position)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated (same dtype)."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,95 @@
+"""Load an HF folder (config.json + single or sharded safetensors) into our model.
+
+HF keeps q/k/v and gate/up as separate tensors; we fuse them here so the forward runs
+one matmul for each group. Missing tensors are reported by their HF names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.model_config import ModelConfig
+from engine.models.registry import model_class
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# our name (inside layers.i) -> the HF tensors concatenated along dim 0
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"model folder {folder} is missing weight shards: "
+                                    f"{', '.join(missing)}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {folder} has no *.safetensors weights")
+    return files
+
+
+def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
+    """The HF tensor names that make up one of our parameters."""
+    if our_name.startswith("layers."):
+        _, idx, rest = our_name.split(".", 2)
+        module, leaf = rest.rsplit(".", 1)
+        parts = _FUSED.get(module, (module,))
+        return [f"model.layers.{idx}.{p}.{leaf}" for p in parts]
+    if our_name == "lm_head.weight":
+        return ["lm_head.weight"]
+    return [f"model.{our_name}"]
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
+               attention_backend: str = "sdpa"):
+    folder = Path(folder)
+    cfg = ModelConfig.from_folder(folder)
+    cls = model_class(cfg)
+    handles = {}
+    for path in safetensors_files(folder):
+        f = safe_open(str(path), framework="pt")
+        for key in f.keys():
+            m = _LAYER.match(key)
+            if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                continue    # e.g. MTP layers stored after the decoder layers
+            handles[key] = f
+    with torch.device(device):
+        model = cls(cfg, attention_backend=attention_backend)
+    model.to(dtype=dtype)
+    model.rotary.float()        # cos/sin tables stay float32, cast at use (as HF)
+    missing = []
+    params = dict(model.named_parameters(remove_duplicate=True))
+    for name, param in params.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        names = _hf_names(name, cfg)
+        if name == "lm_head.weight" and "lm_head.weight" not in handles:
+            missing.append("lm_head.weight (and tie_word_embeddings is false)")
+            continue
+        absent = [n for n in names if n not in handles]
+        if absent:
+            missing.extend(absent)
+            continue
+        tensors = [handles[n].get_tensor(n) for n in names]
+        value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        if value.shape != param.shape:
+            raise ValueError(f"weight {'+'.join(names)} has shape {tuple(value.shape)}, the "
+                             f"config implies {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(value.to(dtype))
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
+                                          if len(missing) > 8 else "")
+        raise ValueError(f"model folder {folder} is missing weights: {shown}")
+    return model.eval(), cfg

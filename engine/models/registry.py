@@ -1,0 +1,25 @@
+"""Architecture name (config.json `architectures[0]`) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.models.model_config import ModelConfig
+
+_MODELS = {
+    "LlamaForCausalLM": "engine.models.decoder:DecoderForCausalLM",
+    "Qwen2ForCausalLM": "engine.models.decoder:DecoderForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.decoder:DecoderForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(cfg: ModelConfig):
+    if cfg.architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {cfg.architecture!r}; supported: "
+                         f"{', '.join(supported_architectures())}")
+    module, cls = _MODELS[cfg.architecture].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,87 @@
+"""Text on top of token ids: incremental detokenization, stop strings, RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    """Keeps one detokenizer per live request and applies stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._seen: dict[int, int] = {}
+
+    def update(self, seq: Sequence) -> str | None:
+        """Detokenize the tokens `seq` gained; returns the stop string it hit, if any.
+        The text is cut before the stop string (vLLM's default)."""
+        if self.tokenizer is None:
+            return None
+        d = self._detok.get(seq.seq_id)
+        if d is None:
+            d = self._detok[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer, seq.params.skip_special_tokens)
+        seen = self._seen.get(seq.seq_id, 0)
+        new_ids = seq.output_token_ids[seen:]
+        self._seen[seq.seq_id] = seen + len(new_ids)
+        new_text = d.add(new_ids)
+        if seq.is_finished:
+            new_text += d.flush()
+        stops = seq.params.stop
+        if not stops or not new_text:
+            return None
+        # a stop string may straddle old and new text: search from just before the new part
+        longest = max(len(s) for s in stops)
+        start = max(0, len(d.text) - len(new_text) - longest + 1)
+        best = None
+        for s in stops:
+            pos = d.text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return None
+        d.text = d.text[:best[0]]
+        return best[1]
+
+    def text(self, seq: Sequence) -> str:
+        d = self._detok.get(seq.seq_id)
+        return d.text if d is not None else ""
+
+    def make_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        lps = seq.logprobs if seq.params.logprobs is not None else None
+        cum = None
+        if lps:
+            cum = sum(entry[tok] for entry, tok in zip(lps, seq.output_token_ids, strict=False))
+        completion = CompletionOutput(0, self.text(seq), seq.output_token_ids, lps, cum,
+                                      seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion],
+                             seq.is_finished, seq.num_prefix_hit_tokens)
+
+    def forget(self, seq: Sequence) -> None:
+        self._detok.pop(seq.seq_id, None)
+        self._seen.pop(seq.seq_id, None)

@@ -1,0 +1,157 @@
+"""Continuous batching with chunked prefill under a token budget, and preemption by
+recompute when the block pool runs dry (never a crash).
+
+Each step: running sequences first (decodes and unfinished prefill chunks, oldest first),
+growing their block tables; when a sequence cannot grow, the newest running sequence is
+preempted (its blocks freed, its tokens kept, re-queued at the front to be recomputed).
+Then waiting sequences are admitted while the token budget, `max_num_seqs` and the pool
+allow. Prefill and decode sequences share one batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: the sequences and how many new tokens each computes."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 and s.num_uncomputed_tokens == 1
+                   for s, n in zip(self.seqs, self.num_new_tokens, strict=True))
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        need = self.bm.blocks_needed(len(seq))
+        if need > self.bm.num_blocks - 1:
+            raise ValueError(
+                f"prompt of {len(seq)} tokens needs {need} KV blocks but the cache has "
+                f"{self.bm.num_blocks - 1}; raise num_gpu_blocks or shorten the prompt")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """End a sequence (stop condition or abort) and release its blocks."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+
+    # ---- scheduling ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+                i += 1
+                continue
+            target = seq.num_cached_tokens + n
+            while not self.bm.can_cover(seq, target):
+                victim = self.running[-1]
+                if victim.seq_id in scheduled:   # never undo work already in this batch
+                    victim = seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue          # seq itself was preempted; running[i] is the next one
+            self.bm.cover(seq, target)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            scheduled.add(seq.seq_id)
+            budget -= n
+            i += 1
+
+        # Admit new work only when nothing had to be preempted (the pool is not tight).
+        while (self.waiting and not out.preempted and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if not self.enable_chunked_prefill and len(seq) > budget:
+                break
+            if not self.bm.allocate(seq):
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    # ---- results -------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int],
+                    eos_token_ids: frozenset[int]) -> list[Sequence]:
+        """Advance the computed sequences; append each sampled token and apply the
+        token-level stop conditions. Returns the sequences that gained a token."""
+        grew = []
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            seq.num_cached_tokens += n
+            self.bm.cache_full_blocks(seq)
+            token = sampled.get(seq.seq_id)
+            if token is None:       # a prefill chunk that did not reach the last token
+                continue
+            seq.append_token(token)
+            grew.append(seq)
+            self.check_stop(seq, eos_token_ids)
+        return grew
+
+    def check_stop(self, seq: Sequence, eos_token_ids: frozenset[int]) -> None:
+        token, p = seq.last_token, seq.params
+        if not p.ignore_eos and token in eos_token_ids:
+            self.finish(seq, "stop", None)
+        elif token in p.stop_token_ids:
+            self.finish(seq, "stop", token)
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+            self.finish(seq, "length")

@@ -1,0 +1,82 @@
+"""Sequence: one request's tokens, its block table and how much of it the KV cache holds."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None, arrival: float = 0.0):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.params = params
+        self.arrival = arrival
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.block_table: list[int] = []
+        # n_kv_cache_tokens in the seed: tokens whose K/V are already in the cache.
+        self.num_cached_tokens = 0
+        # Tokens of this sequence served from the prefix cache at its (last) admission.
+        self.num_prefix_hit_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # Per-generated-token logprob entries: {token_id: logprob}, sampled token first.
+        self.logprobs: list[dict[int, float]] = []
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        # More than the one newest token lacks KV: prompt (or recompute after preemption).
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, len={len(self)}, cached={self.num_cached_tokens}, "
+                f"blocks={self.block_table}, status={self.status.value})")

@@ -1,0 +1,54 @@
+"""Worker: step -> prepare_work_before_execute -> step_internal (seed sections 1, 3).
+
+prepare_work_before_execute moves the whole ForwardInput to the device on the prepare
+stream and records an event; step_internal makes the forward stream wait on that event,
+runs the executor, computes logits on the selected rows only and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.device import Device
+from engine.executor.eager import EagerExecutor
+from engine.forward_input import ForwardInput
+from engine.kv_cache import KVCache
+from engine.sampler import SampleOutput, Sampler
+
+
+@dataclass
+class PreparedInput:
+    input: ForwardInput      # device tensors
+    ready_event: object      # recorded on the prepare stream
+
+
+class Worker:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: Device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.executor = EagerExecutor(model, kv_cache)
+        self.sampler = Sampler()
+        self.prepare_stream = device.new_stream()
+
+    def prepare_work_before_execute(self, fi: ForwardInput) -> PreparedInput:
+        with self.device.stream(self.prepare_stream):
+            moved = fi.to(self.device.torch_device)
+            event = self.device.new_event()
+            event.record(self.prepare_stream)
+        return PreparedInput(moved, event)
+
+    def step(self, fi: ForwardInput) -> SampleOutput | None:
+        prepared = self.prepare_work_before_execute(fi)
+        self.device.current_stream().wait_event(prepared.ready_event)
+        return self.step_internal(prepared.input)
+
+    @torch.inference_mode()
+    def step_internal(self, fi: ForwardInput) -> SampleOutput | None:
+        hidden = self.executor.forward(fi)
+        if fi.sampling is None or fi.selected_token_idxes.numel() == 0:
+            return None     # only prefill chunks that sample nothing
+        logits = self.model.logits(hidden, fi.selected_token_idxes)
+        return self.sampler(logits, fi.sampling)
