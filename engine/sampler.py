@@ -1,0 +1,165 @@
+"""Sampler: logits of the selected rows -> next tokens (+ logprobs), per the seed's section 5.
+
+Order: penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> sample -> logprobs.
+Everything is batched over rows; the only Python loop is over seeded rows' generators. No
+`.item()` or other host read-back happens here, so a step never stalls on the device: the
+decisions that skip work (all_greedy, no_top_k, ...) were taken on the host in
+SamplingMetadata.build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_metadata import SamplingMetadata
+
+# Slack when deciding whether the tokens before a candidate already reach top_p. Probabilities
+# come out of a float32 softmax + cumsum, so a cumulative mass that is mathematically exactly
+# top_p can land either side of it by ~1e-7; without slack the kept set would flip on rounding.
+_TOP_P_EPS = 1e-6
+
+
+@dataclass
+class SampleOutput:
+    next_tokens: torch.Tensor  # [N] int64
+    # [N] float32: the sampled token's logprob under the RAW logits (vLLM v1 "raw_logprobs"),
+    # so greedy logprobs equal HF's log_softmax of its logits.
+    logprobs: torch.Tensor | None
+    top_tokens: torch.Tensor | None  # [N, k] int64 (k = max_num_logprobs), descending
+    top_logprobs: torch.Tensor | None  # [N, k] float32 raw logprobs
+    # [N, V] float32 final sampling distribution (one-hot at the argmax for greedy rows), only
+    # with return_probs=True; speculative decoding's rejection sampler needs it.
+    probs: torch.Tensor | None
+
+
+class Sampler(torch.nn.Module):
+    def forward(
+        self, logits: torch.Tensor, meta: SamplingMetadata, return_probs: bool = False
+    ) -> SampleOutput:
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        raw = logits  # never modified in place below, so it stays the raw logits
+
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        probs = None
+        if meta.all_greedy:
+            next_tokens = greedy
+            if return_probs:
+                probs = _one_hot(greedy, logits.shape[-1])
+        else:
+            # Greedy rows carry temperature 0; divide them by 1 (their result is discarded).
+            temp = torch.where(meta.temperature > 0, meta.temperature, 1.0)
+            logits = logits / temp.unsqueeze(1)
+            if not (meta.no_top_k and meta.no_top_p):
+                logits = apply_top_k_top_p(
+                    logits,
+                    None if meta.no_top_k else meta.top_k,
+                    None if meta.no_top_p else meta.top_p,
+                )
+            if not meta.no_min_p:
+                logits = apply_min_p(logits, meta.min_p)
+            probs = torch.softmax(logits, dim=-1)
+            sampled = exponential_race(probs, meta.generators)
+            if meta.all_random:
+                next_tokens = sampled
+            else:
+                is_greedy = meta.temperature == 0
+                next_tokens = torch.where(is_greedy, greedy, sampled)
+                if return_probs:
+                    one_hot = _one_hot(greedy, probs.shape[-1])
+                    probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)
+            if not return_probs:
+                probs = None
+
+        lp = top_tokens = top_lp = None
+        if meta.max_num_logprobs is not None:
+            raw_lp = torch.log_softmax(raw, dim=-1)
+            lp = raw_lp.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
+            # topk returns values sorted descending, which is the order the API promises.
+            top_lp, top_tokens = raw_lp.topk(meta.max_num_logprobs, dim=-1)
+        return SampleOutput(next_tokens, lp, top_tokens, top_lp, probs)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output, once per distinct token), then frequency and presence
+    (output only). Returns a new tensor; `logits` is left untouched."""
+    n, v = logits.shape
+    assert meta.prompt_token_ids is not None and meta.output_token_ids is not None
+    out_ids = meta.output_token_ids
+    # Pad id is v: scatter into v + 1 columns and drop the last, so padding costs no masking.
+    counts = torch.zeros(n, v + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    counts = counts[:, :v]
+    in_prompt = torch.zeros(n, v + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, meta.prompt_token_ids, True)
+    seen = in_prompt[:, :v] | (counts > 0)
+
+    rep = meta.repetition_penalty.unsqueeze(1)
+    # HF / vLLM formula: shrink positive logits, push negative ones further down.
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
+    logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask to -inf everything outside top-k, then outside top-p (over the top-k survivors).
+
+    One stable descending sort serves both. Masks are positional in that sorted order, so
+    exactly k tokens survive top-k, and ties are broken toward the lower token id, the same
+    way on every call.
+    """
+    v = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+    pos = torch.arange(v, device=logits.device).unsqueeze(0)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, v).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(pos >= k, float("-inf"))
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Mass strictly before each token: a token is needed iff that mass has not reached p.
+        # This keeps the smallest prefix whose mass >= p, and always keeps position 0.
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        p = top_p.unsqueeze(1)
+        drop = (before >= p - _TOP_P_EPS) & (p < 1.0)  # p == 1 rows keep even the tiniest tail
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens with prob >= min_p * max_prob (min_p = 0 keeps everything)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) i.i.d. draws a token with probability probs exactly
+    (Gumbel-max in disguise), needs no cumsum/search, and has no host sync.
+
+    Unseeded rows share one draw from the default generator; each seeded row redraws its own
+    row from its generator, so its tokens depend only on its seed and step, never on where it
+    sits in the batch or who its neighbours are.
+    """
+    q = torch.empty_like(probs).exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick. The clamp
+    # moves an event of probability ~1e-38 and changes nothing else.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def _one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    # scatter rather than F.one_hot, which may range-check its input with a device read-back.
+    out = torch.zeros(tokens.shape[0], vocab_size, dtype=torch.float32, device=tokens.device)
+    return out.scatter_(1, tokens.unsqueeze(1), 1.0)
