@@ -1,0 +1,1 @@
+"""pdserve cluster processes (router, prefill and decode nodes) and the `pdserve` CLI."""
