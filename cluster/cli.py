@@ -21,7 +21,7 @@ from pathlib import Path
 # "module" (its `add_parser`) or "module:function". Order is the order shown in --help.
 SUBCOMMANDS: tuple[str, ...] = (
     "cluster.cli:add_models_parser",
-    # ---- `pdserve up` (offline demo, another engineer's): add "cluster.offline_demo" here. ----
+    "cluster.offline_demo",
     # Later: router, prefill, decode, generate.
 )
 
