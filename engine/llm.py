@@ -38,8 +38,11 @@ class LLM:
         params = self._broadcast_params(sampling_params, len(prompts))
         # Validate every request before any runs, so a bad one fails the call cleanly.
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
-        for ids in encoded:
-            self.engine.validate_prompt(ids)
+        for i, ids in enumerate(encoded):
+            try:
+                self.engine.validate_prompt(ids)
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
         return self._run(encoded, [p if isinstance(p, str) else None for p in prompts],
                          params, use_tqdm)
 
