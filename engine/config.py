@@ -21,6 +21,15 @@ class EngineConfig:
     min_decoding_batch_size: int = 0    # pad decode batches up to this (graph buckets)
     attention_backend: str = "sdpa"
     seed: int = 0
+    # graph-replayed decode (engine/executor/graph.py)
+    enable_graph: bool = False
+    graph_max_batch_size: int | None = None     # larger decode batches run eagerly;
+                                                # None: max_num_seqs
+    graph_batch_sizes: tuple[int, ...] | None = None  # buckets; None: 1,2,4,8,16,32,...
+    graph_padding: bool = True                  # off: one graph per exact batch size
+    graph_max_seq_len: int | None = None        # block-table width of the graphs (longer
+                                                # sequences run eagerly); None: max_model_len
+    graph_warmup_batch_sizes: tuple[int, ...] = ()    # capture these buckets at start
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -43,6 +52,29 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be >= 2, got {self.max_model_len}")
         need(self.min_decoding_batch_size >= 0, "min_decoding_batch_size must be >= 0")
+        self._validate_graph_options(need)
         need(self.enable_chunked_prefill or self.max_model_len is None
              or self.max_num_batched_tokens >= self.max_model_len,
              "without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    def _validate_graph_options(self, need) -> None:
+        def positive_ints(name: str) -> tuple[int, ...] | None:
+            value = getattr(self, name)
+            if value is None:
+                return None
+            value = tuple(value) if isinstance(value, list | tuple) else value
+            need(isinstance(value, tuple) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value),
+                f"{name} must be a list of integers >= 1, got {value!r}")
+            object.__setattr__(self, name, value)     # lists become tuples (frozen)
+            return value
+
+        sizes = positive_ints("graph_batch_sizes")
+        need(sizes is None or len(sizes) > 0, "graph_batch_sizes must not be empty")
+        positive_ints("graph_warmup_batch_sizes")
+        need(self.graph_max_batch_size is None or (
+            isinstance(self.graph_max_batch_size, int) and self.graph_max_batch_size >= 1),
+            f"graph_max_batch_size must be >= 1, got {self.graph_max_batch_size!r}")
+        need(self.graph_max_seq_len is None or (
+            isinstance(self.graph_max_seq_len, int) and self.graph_max_seq_len >= 1),
+            f"graph_max_seq_len must be >= 1, got {self.graph_max_seq_len!r}")

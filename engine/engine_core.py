@@ -15,6 +15,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.device import Device
+from engine.executor.graph_buckets import GraphOptions
+from engine.executor.graph_stats import executor_stats
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
 from engine.models.loader import load_model
@@ -74,7 +76,9 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.enable_chunked_prefill)
         self.builder = BatchInputBuilder(bs, mc.vocab_size, config.min_decoding_batch_size)
-        self.worker = Worker(self.model, self.kv_cache, self.device)
+        graph = (GraphOptions.from_engine_config(config, self.max_model_len)
+                 if config.enable_graph else None)
+        self.worker = Worker(self.model, self.kv_cache, self.device, graph)
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "computed_tokens": 0, "requests_finished": 0}
@@ -192,4 +196,5 @@ class LLMEngine:
             "total_blocks": bm.num_blocks - 1,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            **executor_stats(self.worker.executor),
         }

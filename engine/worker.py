@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import Device
-from engine.executor.eager import EagerExecutor
+from engine.executor.factory import build_executor
+from engine.executor.graph_buckets import GraphOptions
 from engine.forward_input import ForwardInput
 from engine.kv_cache import KVCache
 from engine.sampler import SampleOutput, Sampler
@@ -25,16 +26,20 @@ class PreparedInput:
 
 
 class Worker:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: Device):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: Device,
+                 graph: GraphOptions | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.executor = EagerExecutor(model, kv_cache)
+        self.executor = build_executor(model, kv_cache, device, graph)
+        self.graphs_on = graph is not None
         self.sampler = Sampler()
         self.prepare_stream = device.new_stream()
 
     def prepare_work_before_execute(self, fi: ForwardInput) -> PreparedInput:
-        with self.device.stream(self.prepare_stream):
+        # with graphs on, no H2D copy may be queued while a capture is in progress (seed 7)
+        with self.device.capture_lock.held_if(self.graphs_on), \
+                self.device.stream(self.prepare_stream):
             moved = fi.to(self.device.torch_device)
             event = self.device.new_event()
             event.record(self.prepare_stream)
