@@ -197,3 +197,19 @@ _META_CFG = {
     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128,
 }
+
+
+def test_verify_rows_wider_than_the_buffers_go_eager(folder):
+    """A speculative-verify batch (k+1 tokens per sequence) needs buffers sized for it
+    (max_tokens_per_seq); until then it runs eagerly under its own reason."""
+    from dataclasses import replace
+
+    engine = _engine(folder)
+    ex = engine.worker.executor
+    _add(engine, 3, max_tokens=3)
+    sched, fi, dev = _prepared_step(engine)
+    _finish_step(engine, sched, fi, engine.worker.step_internal(dev).next_tokens.tolist())
+    sched, fi, dev = _prepared_step(engine)
+    assert ex.plan(dev) == GraphKey(4, 1)
+    wide = replace(dev, attn=replace(dev.attn, num_decode_tokens=3 * 3))
+    assert ex.plan(wide) == "verify_too_wide"
