@@ -9,13 +9,15 @@ one with `enable_graph=True`. For each batch size, both get the same random prom
 (greedy, ignore_eos); after the prefill and a few untimed decode steps (the graph
 engine captures its bucket there), `--steps` decode steps are timed.
 
-  step ms     one whole engine step (schedule, build inputs, H2D, forward, logits,
-              sampling, postprocess), the device synchronised by the sampled tokens'
-              copy back to the host
-  forward ms  the executor's forward alone on one prepared decode batch, run back to
-              back `--steps` times and synchronised once (for the graph engine: bind the
-              batch into the persistent buffers + replay)
+  step ms     median of one whole engine step (schedule, build inputs, H2D, forward,
+              logits, sampling, postprocess), the device synchronised before and after
+  forward ms  median of the executor's forward alone on one prepared decode batch,
+              synchronised before and after (graph engine: bind the batch into the
+              persistent buffers + replay)
   tokens      sequences whose greedy tokens are identical in both engines
+
+Timed steps alternate between the two engines, so a shared machine's load changes
+affect both alike.
 
 `--device` defaults to cuda when a GPU is present, else cpu. On CPU the "graph" reruns
 the captured callable (engine/device.py), so no speed-up is expected there; that run
@@ -48,40 +50,52 @@ def _sync(engine: LLMEngine) -> None:
     engine.device.synchronize()
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> dict:
-    sp = SamplingParams(max_tokens=WARM_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(f"{tag}-{i}", p, sp) for i, p in enumerate(prompts)]
-    while any(s.num_output_tokens == 0 for s in seqs):     # prefill (eager in both)
-        engine.step()
-    for _ in range(WARM_STEPS):
-        engine.step()
-    step_times = []
-    for _ in range(steps):
-        _sync(engine)
-        t = time.perf_counter()
-        engine.step()               # ends with the sampled tokens' D2H copy (a sync)
-        step_times.append(time.perf_counter() - t)
-    # the executor's forward alone on the next decode batch (not applied: the K/V it
-    # writes are the same values at the same slots every time)
-    sched = engine.scheduler.schedule()
-    fi = engine.builder.build_forward_input(sched)
-    assert fi.attn.is_decode_only and fi.attn.num_decodes == len(prompts)
-    dev = engine.worker.prepare_work_before_execute(fi).input
-    executor = engine.worker.executor
-    executor.forward(dev)
+def _timed(engine: LLMEngine, fn) -> float:
     _sync(engine)
     t = time.perf_counter()
-    for _ in range(steps):
-        executor.forward(dev)
+    fn()
     _sync(engine)
-    forward_s = (time.perf_counter() - t) / steps
-    # undo the scheduled step's bookkeeping: finish the requests
-    tokens = [list(s.output_token_ids) for s in seqs]
-    for s in seqs:
-        engine.abort(s.request_id)
-        engine.release(s.request_id)
-    return {"step_ms": 1e3 * statistics.median(step_times), "forward_ms": 1e3 * forward_s,
-            "tokens": tokens}
+    return time.perf_counter() - t
+
+
+def run_batch(engines: dict[str, LLMEngine], prompts: list[list[int]], steps: int,
+              tag: str) -> dict:
+    """Both engines run the same requests; every timed step alternates between them, so
+    a load change on a shared machine hits both alike."""
+    sp = SamplingParams(max_tokens=WARM_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
+    seqs = {m: [e.add_request(f"{tag}-{m}-{i}", p, sp) for i, p in enumerate(prompts)]
+            for m, e in engines.items()}
+    for m, e in engines.items():
+        while any(s.num_output_tokens == 0 for s in seqs[m]):   # prefill (eager in both)
+            e.step()
+        for _ in range(WARM_STEPS):
+            e.step()
+    step_s = {m: [] for m in engines}
+    for _ in range(steps):
+        for m, e in engines.items():
+            # a step ends with the sampled tokens' copy to the host (a sync) anyway
+            step_s[m].append(_timed(e, e.step))
+    # the executor's forward alone on each engine's next decode batch (not applied: it
+    # writes the same K/V values at the same slots every time)
+    batch = {}
+    for m, e in engines.items():
+        fi = e.builder.build_forward_input(e.scheduler.schedule())
+        assert fi.attn.is_decode_only and fi.attn.num_decodes == len(prompts)
+        batch[m] = e.worker.prepare_work_before_execute(fi).input
+        e.worker.executor.forward(batch[m])          # the graph engine has it captured
+    forward_s = {m: [] for m in engines}
+    for _ in range(steps):
+        for m, e in engines.items():
+            forward_s[m].append(_timed(e, lambda e=e, m=m: e.worker.executor.forward(batch[m])))
+    out = {}
+    for m, e in engines.items():
+        out[m] = {"step_ms": 1e3 * statistics.median(step_s[m]),
+                  "forward_ms": 1e3 * statistics.median(forward_s[m]),
+                  "tokens": [list(s.output_token_ids) for s in seqs[m]]}
+        for s in seqs[m]:
+            e.abort(s.request_id)
+            e.release(s.request_id)
+    return out
 
 
 def main(argv=None) -> int:
@@ -122,8 +136,7 @@ def main(argv=None) -> int:
         rng = random.Random(b)
         vocab = engines["eager"].vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
-        res = {mode: run_batch(eng, prompts, args.steps, f"{mode}{b}")
-               for mode, eng in engines.items()}
+        res = run_batch(engines, prompts, args.steps, f"b{b}")
         same = sum(x == y for x, y in zip(res["eager"]["tokens"], res["graph"]["tokens"],
                                           strict=True))
         e, g = res["eager"], res["graph"]
