@@ -197,12 +197,11 @@ def test_prepare_holds_the_capture_lock_when_graphs_on(models):
 
 
 def test_default_model_graph_equals_eager(default_model_dir):
-    prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3,"]
-    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=0.0, ignore_eos=True)
-              for i in range(3)]
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 3)]
     opts = dict(max_model_len=64, max_num_seqs=4)
     ref, _ = _run(default_model_dir, prompts, params, **opts)
     got, llm = _run(default_model_dir, prompts, params, enable_graph=True, **opts)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     st = llm.stats()
-    assert st["graph_captures"] == 3 and st["graph_replays"] > 0   # buckets 4, 2, 1
+    assert st["graph_captures"] == 2 and st["graph_replays"] > 0   # buckets 2 and 1

@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts
 
 # batch sizes landing in every bucket up to 64, exactly and with padding rows
-SIZES = [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 48, 50, 64]
+SIZES = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 50, 64]
 # prompt lengths crossing block boundaries (block_size 16) during decode
 LENGTHS = [1, 7, 15, 16, 30, 31, 47, 64, 3, 70]
 
@@ -64,7 +64,7 @@ def test_every_bucket_matches_eager(folder):
     ptrs = {k: v.data_ptr() for k, v in ex.buffers.tensors().items()}
     graph_steps, keys_seen = 0, set()
     for n in SIZES:
-        _add(engine, n, max_tokens=4, seed=n)
+        _add(engine, n, max_tokens=3, seed=n)
         while engine.has_unfinished():
             sched, fi, dev = _prepared_step(engine)
             if not fi.attn.is_decode_only:           # the prompts: eager by design
