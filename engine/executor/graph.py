@@ -20,6 +20,7 @@ and padding logic is exercised by the CPU tests.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -124,6 +125,7 @@ class GraphExecutor:
             hidden.copy_(model(tokens, positions, kv_cache, meta))
 
         dev, stream = self.device, self.capture_stream
+        started = time.perf_counter()
         with dev.capture_lock:
             current = dev.current_stream()
             stream.wait_stream(current)     # the binding copies ran on the current stream
@@ -136,7 +138,9 @@ class GraphExecutor:
             current.wait_stream(stream)
         self.graphs[key] = graph
         self.graph_stats.captures += 1
-        log.debug("graph executor: captured %s", key)
+        log.info("graph executor: captured %d tokens x %d per sequence in %.0f ms "
+                 "(%d graphs)", key.num_tokens, key.tokens_per_seq,
+                 1e3 * (time.perf_counter() - started), len(self.graphs))
 
     @torch.inference_mode()
     def warmup(self, batch_sizes: tuple[int, ...] | list[int] = (),
