@@ -58,6 +58,20 @@ def test_graph_tokens_equal_eager(models, name):
     assert set(st["graph_fallbacks"]) <= {"prefill", "chunked_prefill"}
 
 
+def test_graph_with_prefix_hits_and_preemption(models):
+    """Shared prefixes (cache hits) and a pool small enough to preempt: the graph
+    engine's tokens still equal the eager engine's."""
+    base = random_prompts(4, [9, 14, 20, 6], 320, seed=6)
+    prompts = [{"prompt_token_ids": p} for p in base + [p + [7, 8] for p in base]]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 8
+    opts = dict(block_size=4, num_gpu_blocks=28)
+    ref, _ = _run(models["qwen2-gqa4"], prompts, params, **opts)
+    got, llm = _run(models["qwen2-gqa4"], prompts, params, enable_graph=True, **opts)
+    _same_outputs(got, ref)
+    st = llm.stats()
+    assert st["preemptions"] > 0 and st["prefix_cache_hits"] > 0 and st["graph_replays"] > 0
+
+
 def test_stats_without_graphs(models):
     _, llm = _run(models["llama-tied-gqa"], _prompts(2), _params(2))
     st = llm.stats()
