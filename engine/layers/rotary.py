@@ -64,15 +64,33 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+        # rotate_half(x) * sin == x.roll(half) * [-sin_lo, sin_hi] exactly (a sign flip
+        # commutes with rounding), one roll instead of slice/neg/cat
+        sin = emb.sin() * attn_scale
+        half = head_dim // 2
+        self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), -1),
+                             persistent=False)
+        self.half = half
+        self._cached: tuple | None = None
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin rows for `positions`, [T, 1, D] in `dtype`. Every layer of one forward
+        passes the same positions tensor: the gather runs once per forward, keyed on the
+        tensor and its version counter (in-place writes, e.g. a graph's persistent buffer
+        refilled for the next replay, bump it)."""
+        key = (positions, positions._version, dtype)
+        c = self._cached
+        if c is not None and c[0] is key[0] and c[1:3] == key[1:]:
+            return c[3], c[4]
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_signed[positions].to(dtype).unsqueeze(1)
+        self._cached = (*key, cos, sin)
+        return cos, sin
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(self.half, dims=-1) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated (same dtype)."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        cos, sin = self.lookup(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

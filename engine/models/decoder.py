@@ -42,13 +42,20 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q, k)
+        else:
+            # q and k sit side by side in the fused output: rotate them as one tensor
+            qk = qkv[:, :self.q_size + self.kv_size].view(
+                t, self.num_heads + self.num_kv_heads, self.head_dim)
+            cos, sin = self.rotary.lookup(positions, qk.dtype)
+            q, k = self.rotary.rotate(qk, cos, sin).split(
+                [self.num_heads, self.num_kv_heads], dim=1)
         o = self.backend(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(o.reshape(t, self.q_size))
 
