@@ -25,8 +25,11 @@ from cluster.cli_common import CliError
 SUBCOMMANDS: dict[str, str] = {
     "models": "cluster.commands.models",
     "up": "cluster.commands.up",
+    "router": "cluster.commands.router",
     "prefill": "cluster.commands.prefill",
     "decode": "cluster.commands.decode",
+    "generate": "cluster.commands.generate",
+    "offline": "cluster.commands.offline",
 }
 
 EXIT_USAGE = 2

@@ -53,9 +53,10 @@ class NodePool:
             del self._failed[node.node_id]
         old = self._nodes.get(node.node_id)
         if old is not None and old.incarnation == node.incarnation:
-            node.inflight = old.inflight
-            if not node.block_hashes and old.block_hashes:
-                node.block_hashes = old.block_hashes
+            # A re-put of the same process: keep the load it published and our count.
+            for attr in ("running", "waiting", "free_blocks", "total_blocks", "block_hashes",
+                         "inflight"):
+                setattr(node, attr, getattr(old, attr))
         if old is None or old.address != node.address or old.incarnation != node.incarnation:
             self.version += 1
         self._nodes[node.node_id] = node

@@ -85,7 +85,7 @@ def _check_unsupported(body: dict) -> None:
         raise InvalidRequest("stream_options must be an object", "stream_options")
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def build_sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
     kwargs = {field_: body[key] for key, field_ in _SAMPLING_KEYS.items() if key in body}
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
@@ -97,7 +97,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
         raise InvalidRequest(message, param) from None
 
 
-def _check_prompt(ids: list[int], info: ModelInfo, param: str) -> None:
+def check_prompt(ids: list[int], info: ModelInfo, param: str) -> None:
     if not ids:
         raise InvalidRequest(f"{param} is empty: at least one token is required", param)
     if len(ids) >= info.max_model_len:
@@ -107,7 +107,7 @@ def _check_prompt(ids: list[int], info: ModelInfo, param: str) -> None:
             param)
 
 
-def _check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
+def check_token_ids(ids: list, info: ModelInfo, param: str) -> list[int]:
     for t in ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < info.vocab_size:
             raise InvalidRequest(f"{param} holds token id {t!r}, outside the vocabulary "
@@ -149,12 +149,12 @@ def parse_completion(body: object, info: ModelInfo, tok: Tokenizer,
             ids = tok.encode(item) if item else []
             texts.append(item)
         elif isinstance(item, list):
-            ids = _check_token_ids(item, info, "prompt")
+            ids = check_token_ids(item, info, "prompt")
             texts.append(None)
         else:
             raise InvalidRequest(f"prompt entries must be strings or token-id lists, got "
                                  f"{type(item).__name__}", "prompt")
-        _check_prompt(ids, info, "prompt")
+        check_prompt(ids, info, "prompt")
         prompts.append(ids)
     logprobs = body.get("logprobs")
     echo = body.get("echo", False)
@@ -164,7 +164,7 @@ def parse_completion(body: object, info: ModelInfo, tok: Tokenizer,
         raise InvalidRequest("echo with logprobs is not supported (prompt logprobs are not "
                              "computed)", "echo")
     max_tokens = _max_tokens(body, ("max_tokens",), 16)
-    params = _sampling(body, max_tokens, logprobs)
+    params = build_sampling(body, max_tokens, logprobs)
     return ParsedRequest("completion", request_id or new_request_id(), model, prompts, texts,
                          [params] * len(prompts), stream=body.get("stream", False),
                          include_usage=bool(body.get("stream_options", {}).get("include_usage")),
@@ -213,7 +213,7 @@ def parse_chat(body: object, info: ModelInfo, tok: Tokenizer,
     except ValueError as exc:
         raise InvalidRequest(str(exc), "messages") from None
     ids = tok.encode(text, add_special_tokens=False)
-    _check_prompt(ids, info, "messages")
+    check_prompt(ids, info, "messages")
     want_logprobs = body.get("logprobs", False)
     if not isinstance(want_logprobs, bool):
         raise InvalidRequest(f"logprobs must be a boolean, got {want_logprobs!r}", "logprobs")
@@ -228,7 +228,7 @@ def parse_chat(body: object, info: ModelInfo, tok: Tokenizer,
     # vLLM's default: generate up to the model's length.
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"),
                              info.max_model_len - len(ids))
-    params = _sampling(body, max_tokens, logprobs)
+    params = build_sampling(body, max_tokens, logprobs)
     return ParsedRequest("chat", request_id or new_request_id(), model, [ids], [text],
                          [params], stream=body.get("stream", False),
                          include_usage=bool(body.get("stream_options", {}).get("include_usage")))
