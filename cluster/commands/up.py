@@ -7,6 +7,7 @@ cluster.)"""
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import time
 
@@ -36,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _banner(cluster, model_name: str) -> str:
     http, grpc = cluster.http_url, cluster.grpc_address
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital '
-            'of France?"}], "max_tokens": 32}' % model_name)
+    body = json.dumps({"model": model_name, "max_tokens": 32, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]})
     return "\n".join([
         "",
         f"pdserve is up: {cluster.config.num_prefill} prefill + {cluster.config.num_decode} "

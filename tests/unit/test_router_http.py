@@ -11,64 +11,23 @@ from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from router.backend import NodeRequest, StepOutput
 from router.errors import NoNodeAvailable, Overloaded
 from router.http_server import make_app
 from router.metrics import RouterMetrics
 from router.model_info import ModelInfo
 from router.node_pool import NodePool
 from router.service import RouterService
-from tests.tiny_tokenizer import add_tiny_tokenizer
-
-
-class ScriptedBackend:
-    """Answers every request with `tokens` one per step (logprobs -i/10 with one top entry),
-    finishing with `finish`; or raises `error` before the first token."""
-
-    def __init__(self, tokens: list[int], finish: str = "length", error=None):
-        self.tokens, self.finish, self.error = tokens, finish, error
-        self.requests: list[NodeRequest] = []
-        self.closed_early = 0
-
-    def ready(self) -> bool:
-        return self.error is None
-
-    async def generate(self, request: NodeRequest):
-        self.requests.append(request)
-        if self.error is not None:
-            raise self.error
-        n = min(len(self.tokens), request.params.max_tokens)
-        finished = False
-        try:
-            for i in range(n):
-                await asyncio.sleep(0)
-                last = i == n - 1
-                lps = ([[(self.tokens[i], -i / 10), (7, -5.0)]]
-                       if request.params.logprobs is not None else None)
-                yield StepOutput([self.tokens[i]], lps,
-                                 finish_reason=(self.finish if n == len(self.tokens)
-                                                else "length") if last else None,
-                                 num_cached_tokens=4)
-            finished = True
-        finally:
-            if not finished:
-                self.closed_early += 1
+from tests.router_fakes import TOKENS, ScriptedBackend, make_router_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("router-model")
-    (folder / "config.json").write_text(json.dumps(
-        {"vocab_size": 320, "max_position_embeddings": 64, "eos_token_id": 2}))
-    return add_tiny_tokenizer(folder)
+    return make_router_model_dir(tmp_path_factory.mktemp("router-model"))
 
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
     return Tokenizer(model_dir)
-
-
-TOKENS = [273, 265, 81, 223, 305, 290, 223, 316, 317, 100, 101, 102]
 
 
 def _serve(model_dir, backend, coro_fn):
