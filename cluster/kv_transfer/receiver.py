@@ -38,7 +38,12 @@ class PushHandler:
         header = None
         try:
             header = await self._header(messages)
-            res = self.receiver.get(header.reservation_id)
+            res = self.receiver.get(header.reservation_id)    # unknown -> NOT_FOUND
+            diff = self.fingerprint.mismatches(fingerprint_from_proto(header.fingerprint))
+            if diff:
+                raise PushFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                 "KV fingerprint mismatch (decode node vs prefill node): "
+                                 + "; ".join(diff))
             chunks = 0
             async for msg in messages:
                 which = msg.WhichOneof("msg")
@@ -82,15 +87,7 @@ class PushHandler:
             raise PushRejected("empty push: no header") from None
         if first.WhichOneof("msg") != "header":
             raise PushRejected("a push must start with its header")
-        header = first.header
-        self.receiver.get(header.reservation_id)       # UnknownReservation -> NOT_FOUND
-        theirs = fingerprint_from_proto(header.fingerprint)
-        diff = self.fingerprint.mismatches(theirs)
-        if diff:
-            raise PushFailed(grpc.StatusCode.FAILED_PRECONDITION,
-                             "KV fingerprint mismatch (decode node vs prefill node): "
-                             + "; ".join(diff))
-        return header
+        return first.header
 
     async def _fail(self, header, code: grpc.StatusCode, message: str) -> PushFailed:
         err = PushFailed(code, message)
