@@ -187,7 +187,7 @@ class PdBackend:
                     prefill_cached = prefill.result().prefix_cached_tokens
                 if read not in done:
                     continue
-                event = _decode_result(read, dec, prefill, pre)
+                event = await _decode_result(read, dec, prefill, pre)
                 if event is grpc.aio.EOF:
                     raise NodeFailure(dec.node_id, "the token stream ended without a finish")
                 read = asyncio.ensure_future(call.read())
@@ -265,14 +265,19 @@ def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
     raise _classify(code, message, dec if "decode" in message.lower() else pre)
 
 
-def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
-                   pre: NodeState):
+async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
+                         pre: NodeState):
     try:
         return read.result()
     except grpc.aio.AioRpcError as exc:
         code, message = exc.code(), exc.details() or exc.code().name
-        if code == grpc.StatusCode.ABORTED and prefill is not None and prefill.done():
-            _check_prefill(prefill, pre, dec)     # the prefill's own failure says more
+        if code == grpc.StatusCode.ABORTED and prefill is not None:
+            # "prefill failed": the Prefill call carries the root cause (bad argument,
+            # fingerprint mismatch, a dead prefill node); it may land a moment later.
+            if not prefill.done():
+                await asyncio.wait({prefill}, timeout=5.0)
+            if prefill.done():
+                _check_prefill(prefill, pre, dec)
         if code in _NODE_DOWN:
             raise NodeFailure(dec.node_id, f"{code.name}: {message}") from None
         raise _classify(code, message, dec) from None

@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from protos import common_pb2, node_pb2, node_pb2_grpc
 from router.backend import NodeRequest
 from router.discovery_feed import follow
-from router.errors import NoNodeAvailable, Overloaded
+from router.errors import InvalidRequest, NoNodeAvailable, Overloaded
 from router.metrics import RouterMetrics
 from router.node_pool import NodePool, NodeState
 from router.pd_backend import PdBackend
@@ -32,6 +32,7 @@ class Shared:
         self.prefill_requests: list = []
         self.reserve_requests: list = []
         self.cancelled: list[str] = []
+        self.prefill_failed: set[str] = set()
 
     def event(self, rid: str) -> asyncio.Event:
         return self.prefilled.setdefault(rid, asyncio.Event())
@@ -52,6 +53,8 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         max_tokens = request.sampling.max_tokens
         try:
             await self.shared.event(request.request_id).wait()
+            if request.request_id in self.shared.prefill_failed:
+                await context.abort(grpc.StatusCode.ABORTED, "prefill failed: see the prefill")
             for i in range(max_tokens):
                 if self.die_after is not None and i == self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
@@ -67,13 +70,18 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 
 
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, shared: Shared, fail: bool = False):
-        self.shared, self.fail = shared, fail
+    def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None):
+        self.shared, self.fail, self.refuse = shared, fail, refuse
 
     async def Prefill(self, request, context):
         self.shared.prefill_requests.append(request)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node crashed")
+        if self.refuse is not None:     # the decode stream learns first, then this reply
+            self.shared.prefill_failed.add(request.request_id)
+            self.shared.event(request.request_id).set()
+            await asyncio.sleep(0.2)
+            await context.abort(self.refuse, "prompt token 999 is outside the vocabulary")
         self.shared.event(request.request_id).set()
         return node_pb2.PrefillReply(first_token_id=0, num_pushed_blocks=2)
 
@@ -187,6 +195,24 @@ def test_prefill_failure_drops_the_prefill_node_and_replays():
     # the first attempt's decode call was cancelled (its reservation released), not left
     # to wait out the lease
     assert "r3" in shared.cancelled
+
+
+def test_a_prefill_refusal_reports_its_root_cause_not_the_decode_abort():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(
+            shared, [{}], [{"refuse": grpc.StatusCode.INVALID_ARGUMENT}])
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            await _collect(backend, "r7", PROMPT, 4)
+        live = [n.node_id for n in pool.all()]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, live
+
+    shared, live = _run(main())
+    assert len(shared.prefill_requests) == 1        # a bad request is not retried elsewhere
+    assert live == ["decode-0", "prefill-0"]        # and no node is blamed for it
 
 
 def test_every_decode_node_full_is_overloaded_and_no_nodes_is_unavailable():
