@@ -71,9 +71,13 @@ class ChannelCache:
 
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
-                 max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4):
+                 max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
+                 stall_timeout_s: float = 120.0):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.max_model_len = max_model_len
+        # A decode node that sends nothing for this long is treated as down (a hung process
+        # would otherwise hold the client forever; a slow one still sends every step).
+        self.stall_timeout_s = stall_timeout_s
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self.channels = ChannelCache()
@@ -179,7 +183,10 @@ class PdBackend:
             read = asyncio.ensure_future(call.read())
             while True:
                 waits = {read} if prefill is None or not prefill_open else {read, prefill}
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waits, timeout=self.stall_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise NodeFailure(dec.node_id, f"no event for {self.stall_timeout_s:.0f} s")
                 if prefill is not None and prefill_open and prefill in done:
                     prefill_open = False
                     pre.inflight -= 1

@@ -39,8 +39,10 @@ class Shared:
 
 
 class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False):
+    def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False,
+                 hang_after: int | None = None):
         self.shared, self.die_after, self.full = shared, die_after, full
+        self.hang_after = hang_after
 
     async def Decode(self, request, context):
         self.shared.reserve_requests.append((context, request))
@@ -58,6 +60,8 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
             for i in range(max_tokens):
                 if self.die_after is not None and i == self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
+                if self.hang_after is not None and i == self.hang_after:
+                    await asyncio.sleep(3600)          # a hung process: alive, silent
                 tokens.append(model_next(tokens))
                 last = i == max_tokens - 1
                 yield node_pb2.DecodeEvent(tokens=node_pb2.TokenEvent(
@@ -175,6 +179,24 @@ def test_decode_death_mid_stream_replays_on_another_pair_without_loss_or_duplica
     assert second.request_id == "r2.r1"
     assert list(second.prompt_token_ids) == PROMPT + tokens[:3]
     assert second.sampling.max_tokens == 5
+
+
+def test_a_silent_decode_node_is_dropped_after_the_stall_timeout_and_replayed():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{"hang_after": 2}, {}], [{}])
+        backend.stall_timeout_s = 0.5
+        tokens, _ = await _collect(backend, "r8", PROMPT, 6)
+        live = [n.node_id for n in pool.nodes("decode")]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens, live
+
+    shared, tokens, live = _run(main())
+    assert tokens == _expected(PROMPT, 6)
+    assert live == ["decode-1"]
+    assert "r8" in shared.cancelled             # the hung call was cancelled, not leaked
 
 
 def test_prefill_failure_drops_the_prefill_node_and_replays():
