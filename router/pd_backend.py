@@ -125,8 +125,9 @@ class PdBackend:
                 dec = self._pick("decode", routing, exclude["decode"])
             except NoNodeAvailable as exc:
                 if full:
-                    raise Overloaded(f"every decode node is full ({len(full)} tried); "
-                                     "retry later") from None
+                    raise Overloaded(f"every node that could serve is full ({len(full)} "
+                                     f"tried: {', '.join(sorted(full))}); retry later"
+                                     ) from None
                 if refusals:
                     raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
                                           ) from None
@@ -156,7 +157,7 @@ class PdBackend:
             attempt += 1
             if attempt >= self.max_attempts:
                 if full and len(full) == len(refusals):
-                    raise Overloaded(f"every decode node tried is full: {refusals[-1]}")
+                    raise Overloaded(f"every node tried is full; last: {refusals[-1]}")
                 raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
                                       f"{refusals[-1] if refusals else 'node failure'}")
             if streamed:
