@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -107,7 +108,8 @@ def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
     assert len(tokens) == len(want_tokens) == 300
     assert tokens == want_tokens and text == want_text and finish == want_finish
     metrics = scrape(cluster.http_url)
-    assert "pdserve_router_replays_total 1.0" in metrics
+    replays = float(re.search(r"^pdserve_router_replays_total (\S+)$", metrics, re.M)[1])
+    assert replays >= 1, cluster.router.log_tail()
     assert killed[0] not in metric_values(metrics, "pdserve_node_free_kv_blocks")
 
 
