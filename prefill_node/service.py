@@ -66,7 +66,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                                      fingerprint=fingerprint_to_proto(self.fingerprint),
                                      block_ids=list(request.block_ids)[skip:])
         sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
-                            self.chunk_bytes)
+                            self.chunk_bytes,
+                            raw_payload=getattr(self.transport, "wants_raw_payload", False))
 
         def add():
             with self.lock:
