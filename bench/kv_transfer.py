@@ -219,6 +219,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="512-token prompt, 2 repeats")
+    ap.add_argument("--skip-ttft", action="store_true", help="push bandwidth only")
+    ap.add_argument("--kv-transport", default="grpc", choices=["grpc", "tcp"],
+                    help="the prefill node's transport in the TTFT part")
     args = ap.parse_args()
     if args.quick:
         args.prompt_len, args.repeats = 512, 2
@@ -260,7 +263,10 @@ def main() -> int:
             print(f"  ratio gRPC push / raw TCP: {best['grpc'] / best['raw']:.0%}; TCP data-plane "
                   f"push / raw TCP: {best['tcp'] / best['raw']:.0%} (target >= 50%)")
 
-            prefill, p_addr = start_node("prefill", model, opts, Path(tmp))
+            if args.skip_ttft:
+                return 0
+            prefill, p_addr = start_node("prefill", model,
+                                         [*opts, "--kv-transport", args.kv_transport], Path(tmp))
             single_node = SingleNode(model, engine_opts)
             pd, single = asyncio.run(ttft_pairs(p_addr, d_addr, single_node, prompts))
         finally:
@@ -268,7 +274,8 @@ def main() -> int:
             if prefill is not None:
                 stop(prefill)
     m_pd, m_single = statistics.median(pd), statistics.median(single)
-    print(f"\nTTFT of a {args.prompt_len}-token prompt ({args.dtype}, CPU):")
+    print(f"\nTTFT of a {args.prompt_len}-token prompt ({args.dtype}, CPU, KV over "
+          f"{args.kv_transport}):")
     print(f"  single node (LLMEngine in the bench):  median {m_single * 1e3:.0f} ms "
           f"{[round(t * 1e3) for t in single]}")
     print(f"  PD (prefill node -> decode node):      median {m_pd * 1e3:.0f} ms "

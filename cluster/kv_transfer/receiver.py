@@ -24,6 +24,10 @@ from protos import node_pb2
 
 log = logging.getLogger("cluster.kv_transfer")
 
+# In place of a chunk's bytes: the transport already wrote them with KvReceiver.write
+# (same validation) after this handler had accepted the header.
+WRITTEN = object()
+
 
 class PushHandler:
     def __init__(self, receiver: KvReceiver, fingerprint: Fingerprint,
@@ -50,7 +54,9 @@ class PushHandler:
             async for item in messages:
                 msg, data = item if isinstance(item, tuple) else (item, None)
                 which = msg.WhichOneof("msg")
-                if which == "chunk":
+                if which == "chunk" and data is WRITTEN:
+                    chunks += 1
+                elif which == "chunk":
                     c = msg.chunk
                     data = c.data if data is None else data
                     # bytes copy into the cache: off the event loop for large chunks

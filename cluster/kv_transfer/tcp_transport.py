@@ -19,10 +19,12 @@ import threading
 from collections.abc import AsyncIterator
 
 import grpc
+import torch
 
 from cluster.kv_transfer.base import KvTransport, PushFailed
 from cluster.kv_transfer.grpc_transport import GrpcTransport
-from cluster.kv_transfer.receiver import PushHandler
+from cluster.kv_transfer.receiver import WRITTEN, PushHandler
+from engine.pd_decode import PushRejected, UnknownReservation
 from protos import node_pb2
 
 log = logging.getLogger("cluster.kv_transfer")
@@ -34,10 +36,11 @@ MAX_META = 1 << 20
 MAX_DATA = 64 << 20
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Blocking read of exactly n bytes (the GIL is released while the kernel copies)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+def _recv_exact(sock: socket.socket, n: int):
+    """Blocking read of exactly n bytes (the GIL is released while the kernel copies) into
+    an uninitialised buffer (no zero-fill of megabytes about to be overwritten)."""
+    buf = torch.empty(n, dtype=torch.uint8).numpy()
+    view = memoryview(buf).cast("B")
     while view:
         got = sock.recv_into(view)
         if got == 0:
@@ -95,23 +98,43 @@ class TcpKvServer:
             self._conns.add(conn)
             items: asyncio.Queue = asyncio.Queue()
             slots = threading.Semaphore(self.QUEUE_DEPTH)     # backpressure to the sender
-            threading.Thread(target=self._read, args=(conn, items, slots), daemon=True,
-                             name="kv-tcp-read").start()
-            asyncio.run_coroutine_threadsafe(self._serve(conn, items, slots), self._loop)
+            header_checked = threading.Event()
+            state = {"refused": False}
+            threading.Thread(target=self._read, daemon=True, name="kv-tcp-read",
+                             args=(conn, items, slots, header_checked, state)).start()
+            asyncio.run_coroutine_threadsafe(
+                self._serve(conn, items, slots, header_checked, state), self._loop)
 
-    def _read(self, conn: socket.socket, items: asyncio.Queue,
-              slots: threading.Semaphore) -> None:
+    def _read(self, conn: socket.socket, items: asyncio.Queue, slots: threading.Semaphore,
+              header_checked: threading.Event, state: dict) -> None:
+        """Frames -> items. Once the handler has accepted the header (reservation known,
+        fingerprint equal), chunks are validated and written into the cache right here,
+        by the same KvReceiver.write, and passed on as WRITTEN: no thread hop per chunk."""
         def put(item) -> None:
             slots.acquire()
             self._loop.call_soon_threadsafe(items.put_nowait, item)
+        receiver = getattr(self.handler, "receiver", None)
+        reservation_id = None
         try:
             while True:
                 meta_len, data_len = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
                 if meta_len > MAX_META or data_len > MAX_DATA:
                     raise ValueError(f"frame too large ({meta_len} + {data_len} bytes)")
                 msg = node_pb2.KvPushMessage.FromString(bytes(_recv_exact(conn, meta_len)))
-                put((msg, _recv_exact(conn, data_len) if data_len else None))
-                if msg.WhichOneof("msg") == "done":
+                data = _recv_exact(conn, data_len) if data_len else None
+                which = msg.WhichOneof("msg")
+                if which == "header":
+                    reservation_id = msg.header.reservation_id
+                elif which == "chunk" and receiver is not None and reservation_id is not None:
+                    header_checked.wait()
+                    if state["refused"]:
+                        return
+                    c = msg.chunk
+                    receiver.write(reservation_id, c.layer, c.kind, list(c.block_ids),
+                                   list(c.shape), c.dtype, data)
+                    data = WRITTEN
+                put((msg, data))
+                if which == "done":
                     return
         except Exception as exc:  # noqa: BLE001 - handed to the handler as the stream's end
             if not self._closed:
@@ -121,11 +144,18 @@ class TcpKvServer:
                     pass
 
     async def _serve(self, conn: socket.socket, items: asyncio.Queue,
-                     slots: threading.Semaphore) -> None:
+                     slots: threading.Semaphore, header_checked: threading.Event,
+                     state: dict) -> None:
         async def messages():
+            first = True
             while True:
+                if not first:
+                    header_checked.set()      # the handler asked past the header: accepted
+                first = False
                 item = await items.get()
                 slots.release()
+                if isinstance(item, (PushRejected, UnknownReservation)):
+                    raise item                # refused by KvReceiver.write on the reader
                 if isinstance(item, Exception):
                     if isinstance(item, ValueError):
                         raise PushFailed(grpc.StatusCode.INVALID_ARGUMENT, str(item))
@@ -140,6 +170,9 @@ class TcpKvServer:
             except PushFailed as exc:
                 body = exc.message.encode()
                 reply = _REPLY.pack(exc.code.value[0], len(body)) + body
+            finally:
+                state["refused"] = True       # a reader still waiting on the header stops
+                header_checked.set()
             conn.setblocking(True)
             await _in_own_thread(conn.sendall, reply)
         except OSError as exc:
