@@ -235,3 +235,58 @@ def _full_hidden(engine, model, tokens: list[int]) -> torch.Tensor:
         h = engine.worker.executor.forward(fi)
     engine.block_manager.free(s)
     return h
+
+
+# ---- the scheduler side, with hand-made step results -------------------------------------
+def _decode_step(sch, seq, tokens, accepted):
+    from engine.speculative.postprocess import SeqStepResult, postprocess_speculative
+    out = sch.schedule()
+    assert out.seqs == [seq]
+    postprocess_speculative(sch, out, {seq.seq_id: SeqStepResult(tokens, accepted)},
+                            frozenset([2]))
+    return out
+
+
+def test_rollback_and_stops_inside_an_accepted_run():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    bm = BlockManager(32, 4)
+    sch = Scheduler(bm, 4, 64, 100)
+    sch.num_lookahead_tokens = 3
+    seq = Sequence(list(range(3, 9)), SamplingParams(max_tokens=20, stop_token_ids=[77],
+                                                     temperature=0.0))
+    sch.add(seq)
+    _decode_step(sch, seq, [50], 0)                        # the prefill: 6 tokens
+    assert (seq.num_cached_tokens, len(seq.block_table)) == (6, 2)
+    out = sch.schedule()                                   # decode covers 7 + 3 lookahead
+    assert len(seq.block_table) == 3 and out.num_new_tokens == [1]
+    from engine.speculative.postprocess import SeqStepResult, postprocess_speculative
+    postprocess_speculative(sch, out, {seq.seq_id: SeqStepResult([60, 61], 1)}, frozenset())
+    # current token + 1 accepted draft computed; the third block (rejected slots) returned
+    assert (len(seq), seq.num_cached_tokens, len(seq.block_table)) == (9, 8, 2)
+    assert bm.num_free_blocks == 31 - 2
+    _decode_step(sch, seq, [70, 77, 78, 79], 3)            # a stop token inside the run
+    assert seq.output_token_ids == [50, 60, 61, 70, 77]
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", 77)
+    assert bm.num_free_blocks == 31 and seq.block_table == []
+
+
+def test_max_tokens_and_eos_cut_an_accepted_run():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    bm = BlockManager(32, 4)
+    sch = Scheduler(bm, 4, 64, 100)
+    sch.num_lookahead_tokens = 3
+    a = Sequence([3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
+    sch.add(a)
+    _decode_step(sch, a, [10], 0)
+    _decode_step(sch, a, [11, 12, 13, 14], 3)
+    assert a.output_token_ids == [10, 11, 12] and a.finish_reason == "length"
+    b = Sequence([3, 4, 5], SamplingParams(max_tokens=30, temperature=0.0))
+    sch.add(b)
+    _decode_step(sch, b, [10], 0)
+    _decode_step(sch, b, [11, 2, 13], 2)                   # eos (2) mid-run
+    assert b.output_token_ids == [10, 11, 2] and b.finish_reason == "stop"
+    assert bm.num_free_blocks == 31
