@@ -33,7 +33,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.loader import load_model  # noqa: E402
-from engine.models.mtp import MTPModule  # noqa: E402
+from engine.models.mtp import DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
 
 TOPICS = [
     "the ocean", "volcanoes", "a small bakery", "machine learning", "the French revolution",
@@ -56,10 +56,11 @@ PLAIN = ["Here is an essay about {t}.\n\n", "{T} is", "Chapter 1\n\nThe story of
          "Q: What is interesting about {t}?\nA:", "def describe_{s}():\n    \"\"\""]
 
 
-def make_prompts(topics: list[str], tokenizer, rng: random.Random) -> list[list[int]]:
+def make_prompts(topics: list[str], tokenizer, rng: random.Random,
+                 chat_per_topic: int = 3) -> list[list[int]]:
     out = []
     for t in topics:
-        for tmpl in rng.sample(CHAT, 3):
+        for tmpl in rng.sample(CHAT, chat_per_topic):
             text = tokenizer.apply_chat_template([{"role": "user",
                                                    "content": tmpl.format(t=t)}], True)
             out.append(tokenizer.encode(text, add_special_tokens=False))
@@ -72,7 +73,7 @@ def make_prompts(topics: list[str], tokenizer, rng: random.Random) -> list[list[
 def generate_corpus(model_dir: str, prompts: list[list[int]], max_new: int,
                     seed: int) -> list[list[int]]:
     from engine import LLM, SamplingParams
-    llm = LLM(model_dir, dtype="float32", max_num_seqs=64, seed=seed)
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=160, seed=seed)
     params = [SamplingParams(max_tokens=max_new, temperature=0.0) if i % 3 == 0 else
               SamplingParams(max_tokens=max_new, temperature=0.8, top_p=0.95, seed=seed + i)
               for i in range(len(prompts))]
@@ -142,34 +143,54 @@ class _NoCache:
 
 
 @torch.no_grad()
-def residual_scale(model, toks: torch.Tensor) -> float:
-    """Median RMS of the residual stream entering the target's final norm: the scale the
-    copied last layer expects its input at."""
+def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
+    """Median RMS of the residual stream entering the target's final norm (the scale its
+    last layer works at) and of the final hidden states."""
     dense = model.layers[0].self_attn.backend
     dense.shape = tuple(toks.shape)
     seen = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", i[0]))
-    model(toks.reshape(-1), torch.arange(toks.shape[1]).repeat(toks.shape[0]),
-          _NoCache(len(model.layers)), None)
+    h = model(toks.reshape(-1), torch.arange(toks.shape[1]).repeat(toks.shape[0]),
+              _NoCache(len(model.layers)), None)
     hook.remove()
-    return seen["x"].pow(2).mean(-1).sqrt().median().item()
+    rms = lambda t: t.pow(2).mean(-1).sqrt().median().item()  # noqa: E731
+    return rms(seen["x"]), rms(h)
 
 
-def init_from_target(mtp: MTPModule, model, scale: float) -> None:
-    """Decoder layer = the target's last layer, shared_head.norm = its final norm, and
-    eh_proj passes hnorm(h) through at the residual stream's scale (plus a little of the
-    token embedding), so the head starts close to the target's own last step."""
+def init_from_target(mtp: MTPModule, model, scales: tuple[float, float]) -> None:
+    """Start as the target's own last step: decoder layer = its last layer, shared_head.norm
+    = its final norm, and eh_proj(hnorm(h)) = the residual stream h was normed from
+    (hnorm undoes the final norm's weight), plus a little of the token embedding."""
+    r_rms, h_rms = scales
     last = model.layers[-1]
     with torch.no_grad():
         mtp.layer.load_state_dict(last.state_dict())
-        mtp.shared_head_norm.weight.copy_(model.norm.weight)
+        w_f = model.norm.weight
+        mtp.shared_head_norm.weight.copy_(w_f)
         mtp.enorm.weight.fill_(1.0)
-        mtp.hnorm.weight.fill_(1.0)
+        safe = torch.where(w_f.abs() < 0.05, torch.full_like(w_f, 0.05).copysign(w_f), w_f)
+        mtp.hnorm.weight.copy_(1.0 / safe)
         h = mtp.eh_proj.weight.shape[0]
         w = torch.randn(h, 2 * h) * 0.02
-        w[:, h:] += scale * torch.eye(h)
-        w[:, :h] += 0.1 * scale * torch.eye(h)
+        w[:, h:] += r_rms * h_rms * torch.eye(h)
+        w[:, :h] += 0.1 * r_rms * torch.eye(h)
         mtp.eh_proj.weight.copy_(w)
+
+
+def draft_vocabulary(toks: torch.Tensor, mask: torch.Tensor, size: int, first_ids: int,
+                     vocab_size: int) -> torch.Tensor:
+    """Token ids the head may propose (sorted): the `first_ids` lowest ids (BPE merge order,
+    roughly general frequency) and the corpus's `size` most frequent tokens. The head's LM
+    head then costs a fraction of the full one."""
+    counts = torch.bincount(toks[mask], minlength=vocab_size)
+    top = counts.topk(min(size, vocab_size)).indices
+    return torch.unique(torch.cat((torch.arange(min(first_ids, vocab_size)), top)))
+
+
+def coverage(vocab: torch.Tensor, toks: torch.Tensor, mask: torch.Tensor) -> float:
+    inside = torch.zeros(int(toks.max()) + 1 if toks.numel() else 1, dtype=torch.bool)
+    inside[vocab[vocab < inside.numel()]] = True
+    return inside[toks[mask]].float().mean().item()
 
 
 def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor,
@@ -181,22 +202,30 @@ def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor,
     return (per_row * mask).sum() / mask.sum().clamp_min(1)
 
 
-def run_head(mtp: MTPModule, dense: DenseCausal, toks, hid, cfg, second: bool):
-    """Step 1 (and the unrolled step 2) over a batch; returns (logits1, logits2|None)."""
+def run_head(mtp: MTPModule, dense: DenseCausal, toks, hid, cfg, second: bool,
+             vocab: torch.Tensor | None = None):
+    """Step 1 (and the unrolled step 2) over a batch; returns (logits1, logits2|None).
+    With `vocab`, logits over those token ids only (a sampled softmax for training)."""
+    def logits(x):
+        if vocab is None:
+            return mtp.logits(x)
+        w = mtp._shared[1].weight.index_select(0, vocab)
+        return (mtp.shared_head_norm(x) @ w.t()).float()
+
     b, t = toks.shape
     n = t - 1
     dense.shape, dense.mode = (b, n), 1
     pos1 = torch.arange(n).repeat(b)
     x1 = mtp(toks[:, 1:].reshape(-1), hid[:, :n].reshape(b * n, -1).float(), pos1,
              None, None, None)
-    lg1 = mtp.logits(x1)
+    lg1 = logits(x1)
     if not second:
         return lg1, None
     dense.mode = 2
     # row r: hidden of step-1 row r, token x_{r+2}, position r+1 (last row has no token)
     nxt = torch.cat((toks[:, 2:], toks[:, -1:]), dim=1).reshape(-1)
     x2 = mtp(nxt, x1, pos1 + 1, None, None, None)
-    return lg1, mtp.logits(x2)
+    return lg1, logits(x2)
 
 
 def step_targets(toks, mask, top_lp, top_id):
@@ -232,15 +261,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the target's HF folder")
     ap.add_argument("--out", required=True, help="safetensors file to write (bf16)")
-    ap.add_argument("--max-new", type=int, default=200, help="tokens generated per prompt")
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--max-new", type=int, default=160, help="tokens generated per prompt")
+    ap.add_argument("--seq-len", type=int, default=224)
     ap.add_argument("--topk", type=int, default=20, help="teacher distribution support")
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--step2-weight", type=float, default=0.5)
+    ap.add_argument("--negatives", type=int, default=4096,
+                    help="random vocabulary entries added to each step's sampled softmax")
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="draft only the corpus's most frequent tokens (this many; 0: the "
+                         "whole vocabulary) ...")
+    ap.add_argument("--draft-vocab-first-ids", type=int, default=12288,
+                    help="... and the tokenizer's lowest ids")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat-per-topic", type=int, default=5)
     ap.add_argument("--num-topics", type=int, default=len(TOPICS))
     ap.add_argument("--cache", help="where to keep the corpus features between runs (.pt)")
     args = ap.parse_args()
@@ -255,7 +292,8 @@ def main() -> int:
     if cache is not None and cache.is_file():
         data, n_train = torch.load(cache)
     else:
-        train_prompts = make_prompts(TOPICS[:args.num_topics], tok, rng)
+        train_prompts = make_prompts(TOPICS[:args.num_topics], tok, rng,
+                                     args.chat_per_topic)
         held_prompts = make_prompts(HELD_OUT_TOPICS, tok, rng)
         seqs = generate_corpus(args.model, train_prompts + held_prompts, args.max_new,
                                args.seed)
@@ -293,9 +331,17 @@ def main() -> int:
         rng.shuffle(order)
         for i in range(0, n_train, args.batch):
             b = order[i:i + args.batch]
-            lg1, lg2 = run_head(mtp, dense, toks[b], hid[b], cfg, args.step2_weight > 0)
+            # sampled softmax: the teachers' candidates plus random negatives
+            vocab = torch.unique(torch.cat((top_id[b].reshape(-1).long(),
+                                            torch.randint(0, cfg.vocab_size,
+                                                          (args.negatives,)))))
+            remap = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+            remap[vocab] = torch.arange(vocab.numel())
+            lg1, lg2 = run_head(mtp, dense, toks[b], hid[b], cfg, args.step2_weight > 0,
+                                vocab)
             (lp1, id1, m1), (lp2, id2, m2) = step_targets(toks[b], mask[b], top_lp[b],
                                                           top_id[b])
+            id1, id2 = remap[id1.long()], remap[id2.long()]
             l1 = distill_loss(lg1, lp1, id1, m1)
             loss = l1
             if lg2 is not None:
@@ -312,8 +358,15 @@ def main() -> int:
     print(f"held-out top-1 agreement after training: step1 {a1:.3f} step2 {a2:.3f}",
           flush=True)
 
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
     tensors = {k: v.detach().to(torch.bfloat16).contiguous()
-               for k, v in mtp.hf_state_dict(f"model.layers.{cfg.num_hidden_layers}.").items()}
+               for k, v in mtp.hf_state_dict(prefix).items()}
+    if args.draft_vocab:
+        vocab = draft_vocabulary(toks[:n_train], mask[:n_train], args.draft_vocab,
+                                 args.draft_vocab_first_ids, cfg.vocab_size)
+        tensors[prefix + DRAFT_VOCAB_KEY] = vocab
+        print(f"draft vocabulary: {vocab.numel()} tokens, held-out coverage "
+              f"{coverage(vocab, toks[n_train:], mask[n_train:]):.4f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pdserve-mtp", "target": Path(args.model).name,

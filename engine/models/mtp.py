@@ -46,6 +46,7 @@ _FUSED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 _MIMO_PREFIX = "model.mtp_layers.0."
+DRAFT_VOCAB_KEY = "draft_vocab"     # optional int64 token ids, next to the MTP weights
 
 
 class MTPModule(nn.Module):
@@ -64,6 +65,11 @@ class MTPModule(nn.Module):
         self.layer = DecoderLayer(cfg, self.rotary, backend)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_first = hidden_first          # MiMo concatenates (h, e)
+        # Optional draft vocabulary (token ids the head may propose): logits over it only,
+        # a fraction of the full LM head's cost. Lossless: the draft's distribution q is
+        # then zero elsewhere, which rejection sampling handles like any other q.
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | None = None
         # Shared with the target: held in a tuple so they are not registered (and so not
         # duplicated in state_dict or moved/cast twice).
         self._shared = (embed_tokens, lm_head)
@@ -76,11 +82,22 @@ class MTPModule(nn.Module):
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
         return self.layer(x, positions, k_cache, v_cache, meta)
 
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        head = self._shared[1].weight
+        self.draft_vocab = token_ids.to(head.device, torch.int64)
+        self._draft_head = head.detach().index_select(0, self.draft_vocab)
+
     def logits(self, hidden: torch.Tensor, selected: torch.Tensor | None = None
                ) -> torch.Tensor:
         if selected is not None:
             hidden = hidden.index_select(0, selected)
-        return self._shared[1](self.shared_head_norm(hidden)).float()
+        normed = self.shared_head_norm(hidden)
+        if self._draft_head is None:
+            return self._shared[1](normed).float()
+        sub = (normed @ self._draft_head.t()).float()
+        full = torch.full((sub.shape[0], self._shared[1].weight.shape[0]), float("-inf"),
+                          device=sub.device)
+        return full.index_copy_(1, self.draft_vocab, sub)
 
     def hf_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """Our parameters under DeepSeek-V3 key names (q/k/v and gate/up split again)."""
@@ -182,5 +199,8 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
             param.copy_(value.to(dtype))
     if missing:
         raise ValueError(f"{folder} is missing MTP weights: {', '.join(missing[:8])}")
+    if prefix + DRAFT_VOCAB_KEY in handles:
+        mtp.set_draft_vocab(handles[prefix + DRAFT_VOCAB_KEY].get_tensor(
+            prefix + DRAFT_VOCAB_KEY))
     return mtp.eval()
 

@@ -290,3 +290,21 @@ def test_max_tokens_and_eos_cut_an_accepted_run():
     _decode_step(sch, b, [11, 2, 13], 2)                   # eos (2) mid-run
     assert b.output_token_ids == [10, 11, 2] and b.finish_reason == "stop"
     assert bm.num_free_blocks == 31
+
+
+def test_draft_vocabulary_subset_stays_exact_and_proposes_only_inside(root):
+    folder = _model(root, "llama-tied-gqa")
+    prompts = _prompts(4, seed=12)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, _ = _run(folder, prompts, sp)
+    llm = LLM(folder, dtype="float32", block_size=4, speculative_method="mtp",
+              num_speculative_tokens=2)
+    draft = llm.engine.speculative.draft
+    draft.set_draft_vocab(torch.arange(0, 320, 2))
+    logits = draft.logits(torch.randn(3, 64))
+    assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+    outs = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    rand = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True, seed=3)
+    outs = llm.generate(prompts, rand)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
