@@ -273,7 +273,7 @@ def main() -> int:
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="draft only the corpus's most frequent tokens (this many; 0: the "
                          "whole vocabulary) ...")
-    ap.add_argument("--draft-vocab-first-ids", type=int, default=12288,
+    ap.add_argument("--draft-vocab-first-ids", type=int, default=16384,
                     help="... and the tokenizer's lowest ids")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
