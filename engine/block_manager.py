@@ -128,6 +128,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+                if block.hash is None:    # holds nothing reusable: hand it out first
+                    self.free_queue.move_to_end(block_id, last=False)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of blocks whose K/V are now fully computed."""

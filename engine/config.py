@@ -30,6 +30,11 @@ class EngineConfig:
     graph_max_seq_len: int | None = None        # block-table width of the graphs (longer
                                                 # sequences run eagerly); None: max_model_len
     graph_warmup_batch_sizes: tuple[int, ...] = ()    # capture these buckets at start
+    # speculative decoding (seed section 6): None | "mtp"; the draft comes from the model
+    # folder (num_nextn_predict_layers >= 1) or from speculative_model (a draft folder)
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 1
+    speculative_model: str | None = None
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -53,6 +58,14 @@ class EngineConfig:
              f"max_model_len must be >= 2, got {self.max_model_len}")
         need(self.min_decoding_batch_size >= 0, "min_decoding_batch_size must be >= 0")
         self._validate_graph_options(need)
+        need(self.speculative_method in (None, "mtp"),
+             f"speculative_method must be None or 'mtp', got {self.speculative_method!r}")
+        need(isinstance(self.num_speculative_tokens, int)
+             and 1 <= self.num_speculative_tokens <= 16,
+             f"num_speculative_tokens must be an integer in [1, 16], "
+             f"got {self.num_speculative_tokens!r}")
+        need(self.speculative_model is None or self.speculative_method is not None,
+             "speculative_model needs speculative_method (e.g. 'mtp')")
         need(self.enable_chunked_prefill or self.max_model_len is None
              or self.max_num_batched_tokens >= self.max_model_len,
              "without chunked prefill, max_num_batched_tokens must be >= max_model_len")

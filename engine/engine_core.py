@@ -79,6 +79,10 @@ class LLMEngine:
         graph = (GraphOptions.from_engine_config(config, self.max_model_len)
                  if config.enable_graph else None)
         self.worker = Worker(self.model, self.kv_cache, self.device, graph)
+        self.speculative = None     # SpeculativeWorker when speculative_method is set
+        if config.speculative_method is not None:
+            from engine.speculative import build_speculative_worker
+            self.speculative = build_speculative_worker(self)
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "computed_tokens": 0, "requests_finished": 0}
@@ -142,11 +146,14 @@ class LLMEngine:
         grew = self.execute(sched)
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sched.num_tokens
-        self.counters["generated_tokens"] += len(grew)
+        self.counters["generated_tokens"] += (len(grew) if self.speculative is None
+                                              else self.speculative.last_num_tokens)
         self.counters["requests_finished"] += sum(s.is_finished for s in grew)
         return grew
 
     def execute(self, sched: SchedulerOutput) -> list[Sequence]:
+        if self.speculative is not None:
+            return self.speculative.execute(sched, self.scheduler, self.eos_token_ids)
         fi = self.builder.build_forward_input(sched)
         out = self.worker.step(fi)
         sampled: dict[int, int] = {}
@@ -197,4 +204,5 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             **executor_stats(self.worker.executor),
+            **(self.speculative.stats() if self.speculative is not None else {}),
         }

@@ -49,8 +49,27 @@ class OutputProcessor:
         seen = self._seen.get(seq.seq_id, 0)
         new_ids = seq.output_token_ids[seen:]
         self._seen[seq.seq_id] = seen + len(new_ids)
+        if len(new_ids) <= 1:
+            return self._add(seq, d, new_ids, seq.is_finished)
+        # Several tokens in one step (speculative decoding): one at a time, so that a stop
+        # string completed by an early token drops the later ones, as plain decoding would.
+        for i, token in enumerate(new_ids):
+            last = i == len(new_ids) - 1
+            stop = self._add(seq, d, [token], last and seq.is_finished)
+            if stop is not None:
+                drop = len(new_ids) - 1 - i
+                if drop:
+                    del seq.token_ids[-drop:]
+                    del seq.logprobs[seq.num_output_tokens:]
+                    self._seen[seq.seq_id] -= drop
+                return stop
+        return None
+
+    @staticmethod
+    def _add(seq: Sequence, d: IncrementalDetokenizer, new_ids: list[int],
+             final: bool) -> str | None:
         new_text = d.add(new_ids)
-        if seq.is_finished:
+        if final:
             new_text += d.flush()
         stops = seq.params.stop
         if not stops or not new_text:

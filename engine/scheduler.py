@@ -50,6 +50,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Speculative decoding: decode sequences also get blocks for this many draft tokens
+        # (the verify step writes their K/V); rejected ones are rolled back after the step.
+        self.num_lookahead_tokens = 0
 
     # ---- requests ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -88,6 +91,8 @@ class Scheduler:
                 i += 1
                 continue
             target = seq.num_cached_tokens + n
+            if n == 1 and seq.num_uncomputed_tokens == 1:
+                target += self.num_lookahead_tokens
             while not self.bm.can_cover(seq, target):
                 victim = self.running[-1]
                 if victim.seq_id in scheduled:   # never undo work already in this batch

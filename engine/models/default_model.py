@@ -227,8 +227,11 @@ def prepare_default_model(cache: Path | None = None, progress: bool = True) -> P
     Returns at once, without importing transformers, when the folder is already prepared.
     `cache` defaults to `cache_dir()`. Progress (a tqdm bar over STAGES) goes to stderr.
     """
+    from engine.models.default_mtp import install_mtp_head
+
     dest = model_dir(cache)
     if _read_marker(dest) is not None:
+        install_mtp_head(dest)  # folders prepared before the MTP head shipped get it now
         return dest
     from tqdm import tqdm
 
@@ -259,6 +262,7 @@ def prepare_default_model(cache: Path | None = None, progress: bool = True) -> P
                 _convert(gguf, tmp, advance)
             advance("finalize")
             _finalize(gguf, tmp)
+            install_mtp_head(tmp)
             result = _install(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

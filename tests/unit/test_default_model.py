@@ -24,6 +24,7 @@ FILES = {
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "mtp.safetensors",  # the trained MTP draft head (engine/models/default_mtp.py)
     dm.MARKER_NAME,
 }
 _BLOCK = {
@@ -92,6 +93,7 @@ def test_folder_layout(prepared: Path, cache: Path) -> None:
     assert cfg["torch_dtype"] == "bfloat16" and cfg.get("dtype", "bfloat16") == "bfloat16"
     assert cfg["tie_word_embeddings"] is True
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (30, 576, 49152)
+    assert cfg["num_nextn_predict_layers"] == 1
     gen = json.loads((prepared / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
     marker = json.loads((prepared / dm.MARKER_NAME).read_text())

@@ -1,0 +1,206 @@
+"""The MTP draft module (multi-token prediction, DeepSeek-V3 layout) and its loader.
+
+One draft step, at position t, given the target's (or the previous draft step's) hidden
+state h_t and the token x_{t+1}:
+
+    x = eh_proj(cat(enorm(embed(x_{t+1})), hnorm(h_t)))     (MiMo: cat(h, e))
+    x = decoder_layer(x)                                     K/V at position t
+    hidden = x                  -> fed back as h for the next draft step
+    logits = lm_head(shared_head.norm(x))                    predicts x_{t+2}
+
+The embedding and the LM head are the target's (shared, never copied); the decoder layer is
+the one in engine/models/decoder.py, so the draft uses the same attention backend and the
+same paged cache layout (a one-layer cache of its own).
+
+Weights are found in the target's folder when config.json has num_nextn_predict_layers >= 1,
+under DeepSeek-V3 keys `model.layers.{num_hidden_layers}.{enorm,hnorm,eh_proj,
+shared_head.norm,<decoder layer>}` or MiMo keys `model.mtp_layers.0.{token_layernorm,
+hidden_layernorm,input_proj,final_layernorm,<decoder layer>}`, or in a separate draft folder
+holding either layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.layers.attention import get_attention_backend
+from engine.layers.norm import RMSNorm
+from engine.models.decoder import DecoderLayer
+from engine.models.loader import safetensors_files
+from engine.models.model_config import ModelConfig
+
+# our parameter prefix -> (DeepSeek-V3 name, MiMo name) inside the MTP layer's key prefix
+_PARTS = {
+    "enorm": ("enorm", "token_layernorm"),
+    "hnorm": ("hnorm", "hidden_layernorm"),
+    "eh_proj": ("eh_proj", "input_proj"),
+    "shared_head_norm": ("shared_head.norm", "final_layernorm"),
+}
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_MIMO_PREFIX = "model.mtp_layers.0."
+DRAFT_VOCAB_KEY = "draft_vocab"     # optional int64 token ids, next to the MTP weights
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 attention_backend: str | object = "sdpa", hidden_first: bool = False):
+        super().__init__()
+        from engine.layers.rotary import RotaryEmbedding
+        h = cfg.hidden_size
+        backend = (get_attention_backend(attention_backend, cfg.head_dim ** -0.5)
+                   if isinstance(attention_backend, str) else attention_backend)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(cfg, self.rotary, backend)
+        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_first = hidden_first          # MiMo concatenates (h, e)
+        # Optional draft vocabulary (token ids the head may propose): logits over it only,
+        # a fraction of the full LM head's cost. Lossless: the draft's distribution q is
+        # then zero elsewhere, which rejection sampling handles like any other q.
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | None = None
+        # Shared with the target: held in a tuple so they are not registered (and so not
+        # duplicated in state_dict or moved/cast twice).
+        self._shared = (embed_tokens, lm_head)
+
+    def forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor,
+                positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta) -> torch.Tensor:
+        e = self.enorm(self._shared[0](token_ids))
+        h = self.hnorm(prev_hidden.to(e.dtype))
+        x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
+        return self.layer(x, positions, k_cache, v_cache, meta)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        head = self._shared[1].weight
+        self.draft_vocab = token_ids.to(head.device, torch.int64)
+        self._draft_head = head.detach().index_select(0, self.draft_vocab)
+
+    def logits(self, hidden: torch.Tensor, selected: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        if selected is not None:
+            hidden = hidden.index_select(0, selected)
+        normed = self.shared_head_norm(hidden)
+        if self._draft_head is None:
+            return self._shared[1](normed).float()
+        sub = (normed @ self._draft_head.t()).float()
+        full = torch.full((sub.shape[0], self._shared[1].weight.shape[0]), float("-inf"),
+                          device=sub.device)
+        return full.index_copy_(1, self.draft_vocab, sub)
+
+    def hf_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Our parameters under DeepSeek-V3 key names (q/k/v and gate/up split again)."""
+        out = {}
+        for name, p in self.state_dict().items():
+            top = name.split(".", 1)[0]
+            if top in _PARTS:
+                out[prefix + _PARTS[top][0] + name[len(top):]] = p
+                continue
+            assert name.startswith("layer."), name
+            rest = name[len("layer."):]
+            module, leaf = rest.rsplit(".", 1)
+            parts = _FUSED.get(module)
+            if parts is None:
+                out[prefix + rest] = p
+                continue
+            sizes = self._fused_sizes(module)
+            for part, chunk in zip(parts, p.split(sizes, dim=0), strict=True):
+                out[f"{prefix}{part}.{leaf}"] = chunk.contiguous()
+        return out
+
+    def _fused_sizes(self, module: str) -> list[int]:
+        attn = self.layer.self_attn
+        if module == "self_attn.qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.layer.mlp.inter
+        return [inter, inter]
+
+
+def num_mtp_layers(folder: str | Path) -> int:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return int(cfg.get("num_nextn_predict_layers") or 0)
+
+
+def _find_prefix(keys: set[str], num_hidden_layers: int | None) -> tuple[str, int]:
+    """(key prefix, layout index: 0 DeepSeek-V3, 1 MiMo) of the first MTP layer."""
+    if num_hidden_layers is not None:
+        ds = f"model.layers.{num_hidden_layers}."
+        if ds + "eh_proj.weight" in keys:
+            return ds, 0
+    if _MIMO_PREFIX + "input_proj.weight" in keys:
+        return _MIMO_PREFIX, 1
+    found = sorted(k[: -len("eh_proj.weight")] for k in keys if k.endswith(".eh_proj.weight"))
+    if found:
+        return found[0], 0
+    raise ValueError("no MTP weights found: expected DeepSeek-V3 keys "
+                     "model.layers.{num_hidden_layers}.eh_proj.weight (and enorm, hnorm, "
+                     "shared_head.norm, the decoder layer) or MiMo keys "
+                     "model.mtp_layers.0.input_proj.weight")
+
+
+def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dtype,
+             device: torch.device, attention_backend: str = "sdpa",
+             draft_folder: str | Path | None = None) -> MTPModule:
+    """The MTP module for `target_model`, from `draft_folder` or else the target's folder."""
+    cfg: ModelConfig = target_model.config
+    if draft_folder is None:
+        folder = Path(target_folder)
+        if num_mtp_layers(folder) < 1:
+            raise ValueError(f"model folder {folder} has no MTP layer (config.json "
+                             "num_nextn_predict_layers is missing or 0); pass "
+                             "speculative_model=<draft folder>")
+        layer_index = cfg.num_hidden_layers
+    else:
+        folder = Path(draft_folder)
+        layer_index = None
+        if (folder / "config.json").is_file():
+            draft_cfg = json.loads((folder / "config.json").read_text())
+            layer_index = draft_cfg.get("num_hidden_layers")
+    handles = {}
+    for path in safetensors_files(folder):
+        f = safe_open(str(path), framework="pt")
+        for key in f.keys():
+            handles[key] = f
+    prefix, layout = _find_prefix(set(handles), layer_index)
+    with torch.device(device):
+        mtp = MTPModule(cfg, target_model.embed_tokens, target_model.lm_head,
+                        attention_backend, hidden_first=layout == 1)
+    mtp.to(dtype=dtype)
+    mtp.rotary.float()
+    missing = []
+    for name, param in mtp.named_parameters():
+        top = name.split(".", 1)[0]
+        if top in _PARTS:
+            names = [prefix + _PARTS[top][layout] + name[len(top):]]
+        else:
+            module, leaf = name[len("layer."):].rsplit(".", 1)
+            names = [f"{prefix}{p}.{leaf}" for p in _FUSED.get(module, (module,))]
+        absent = [n for n in names if n not in handles]
+        if absent:
+            missing.extend(absent)
+            continue
+        tensors = [handles[n].get_tensor(n) for n in names]
+        value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        if value.shape != param.shape:
+            raise ValueError(f"MTP weight {'+'.join(names)} has shape {tuple(value.shape)}, "
+                             f"the target's config implies {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(value.to(dtype))
+    if missing:
+        raise ValueError(f"{folder} is missing MTP weights: {', '.join(missing[:8])}")
+    if prefix + DRAFT_VOCAB_KEY in handles:
+        mtp.set_draft_vocab(handles[prefix + DRAFT_VOCAB_KEY].get_tensor(
+            prefix + DRAFT_VOCAB_KEY))
+    return mtp.eval()
+

@@ -1,0 +1,382 @@
+"""Train an MTP draft head for a model by self-distillation from the model's own outputs.
+
+No data is downloaded: the corpus is the model's own continuations of varied prompts
+(chat requests and plain text openings), generated with pdserve's engine. Then, once:
+the target's final hidden states h_t (the very tensor the engine hands the draft) and its
+top-K next-token distributions at every position are computed and kept. Only the head
+trains: at row t it sees (h_t, x_{t+1}) and learns the target's distribution at t+1, the
+prediction of x_{t+2}; a second, unrolled step feeds the head's own hidden state back with
+x_{t+2} (as the engine's later draft steps do) and learns the distribution at t+2.
+
+The decoder layer starts as a copy of the target's last layer and shared_head.norm as its
+final norm, which converges far faster than random init. The result is a small safetensors
+file under DeepSeek-V3 keys (model.layers.{num_hidden_layers}.*).
+
+    python tools/train_mtp.py --model <hf folder> --out engine/models/assets/smollm2_mtp.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models.loader import load_model  # noqa: E402
+from engine.models.mtp import DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
+
+TOPICS = [
+    "the ocean", "volcanoes", "a small bakery", "machine learning", "the French revolution",
+    "photosynthesis", "a lost dog", "black holes", "gardening tips", "the stock market",
+    "healthy breakfast ideas", "the history of Rome", "learning to code in Python",
+    "a trip to Japan", "climate change", "the human heart", "chess strategy",
+    "writing a resume", "the moon landing", "electric cars", "honey bees", "jazz music",
+    "a haunted house", "time management", "the water cycle", "ancient Egypt",
+    "how vaccines work", "a birthday party", "mountain hiking", "renewable energy",
+    "dinosaurs", "a job interview", "the solar system", "making pasta", "friendship",
+    "the internet", "rainforests", "a detective story", "basic algebra", "sleep",
+]
+HELD_OUT_TOPICS = ["submarines", "origami", "the printing press", "a robot chef",
+                   "desert animals", "public speaking"]
+CHAT = ["Tell me about {t}.", "Write a short story about {t}.",
+        "Explain {t} to a ten-year-old.", "Give me three facts about {t}.",
+        "What are the pros and cons of {t}?", "Write a poem about {t}.",
+        "Summarize the key ideas of {t} in a paragraph."]
+PLAIN = ["Here is an essay about {t}.\n\n", "{T} is", "Chapter 1\n\nThe story of {t} begins",
+         "Q: What is interesting about {t}?\nA:", "def describe_{s}():\n    \"\"\""]
+
+
+def make_prompts(topics: list[str], tokenizer, rng: random.Random,
+                 chat_per_topic: int = 3) -> list[list[int]]:
+    out = []
+    for t in topics:
+        for tmpl in rng.sample(CHAT, chat_per_topic):
+            text = tokenizer.apply_chat_template([{"role": "user",
+                                                   "content": tmpl.format(t=t)}], True)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        tmpl = rng.choice(PLAIN)
+        text = tmpl.format(t=t, T=t[:1].upper() + t[1:], s=t.replace(" ", "_"))
+        out.append(tokenizer.encode(text))
+    return out
+
+
+def generate_corpus(model_dir: str, prompts: list[list[int]], max_new: int,
+                    seed: int) -> list[list[int]]:
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=160, seed=seed)
+    params = [SamplingParams(max_tokens=max_new, temperature=0.0) if i % 3 == 0 else
+              SamplingParams(max_tokens=max_new, temperature=0.8, top_p=0.95, seed=seed + i)
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+
+
+class DenseCausal:
+    """Training attention over [B, T] rows (no paged cache). Mode 1 keeps step-1 K/V;
+    mode 2 lets row r (position r+1) see step-1 keys at positions <= r and itself, which
+    is exactly what the engine's second draft step sees."""
+
+    def __init__(self, scale: float):
+        self.scale, self.shape, self.mode, self.kv1 = scale, (0, 0), 1, None
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta):
+        b, t = self.shape
+        q4, k4, v4 = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        if self.mode == 1:
+            self.kv1 = (k4, v4)
+            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+        else:
+            k1, v1 = self.kv1
+            keys, vals = torch.cat((k1, k4), dim=2), torch.cat((v1, v4), dim=2)
+            ar = torch.arange(t)
+            mask = torch.cat((ar[None, :] <= ar[:, None], torch.eye(t, dtype=torch.bool)), 1)
+            o = F.scaled_dot_product_attention(q4, keys, vals, attn_mask=mask,
+                                               scale=self.scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])
+
+
+@torch.no_grad()
+def target_features(model, seqs: list[list[int]], seq_len: int, topk: int, batch: int):
+    """Per sequence (padded to seq_len): tokens, mask, hidden [T, H] bf16 and the target's
+    top-k next-token log-probs and ids at every position."""
+    scale = model.config.head_dim ** -0.5
+    dense = DenseCausal(scale)
+    for layer in model.layers:
+        layer.self_attn.backend = dense
+    toks = torch.zeros(len(seqs), seq_len, dtype=torch.int64)
+    mask = torch.zeros(len(seqs), seq_len, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        s = s[:seq_len]
+        toks[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = True
+    hid = torch.zeros(len(seqs), seq_len, model.config.hidden_size, dtype=torch.bfloat16)
+    top_lp = torch.zeros(len(seqs), seq_len, topk, dtype=torch.float16)
+    top_id = torch.zeros(len(seqs), seq_len, topk, dtype=torch.int32)
+    pos = torch.arange(seq_len).repeat(batch)
+    for i in tqdm(range(0, len(seqs), batch), desc="target hidden states", unit="batch"):
+        tb = toks[i:i + batch]
+        b = tb.shape[0]
+        dense.shape = (b, seq_len)
+        h = model(tb.reshape(-1), pos[:b * seq_len], _NoCache(len(model.layers)), None)
+        lp = torch.log_softmax(model.lm_head(h).float(), -1)
+        v, ids = lp.topk(topk, -1)
+        hid[i:i + b] = h.view(b, seq_len, -1).to(torch.bfloat16)
+        top_lp[i:i + b] = v.view(b, seq_len, topk).half()
+        top_id[i:i + b] = ids.view(b, seq_len, topk).int()
+    return toks, mask, hid, top_lp, top_id
+
+
+class _NoCache:
+    def __init__(self, n: int):
+        self.k = self.v = [None] * n
+
+
+@torch.no_grad()
+def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
+    """Median RMS of the residual stream entering the target's final norm (the scale its
+    last layer works at) and of the final hidden states."""
+    dense = model.layers[0].self_attn.backend
+    dense.shape = tuple(toks.shape)
+    seen = {}
+    hook = model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", i[0]))
+    h = model(toks.reshape(-1), torch.arange(toks.shape[1]).repeat(toks.shape[0]),
+              _NoCache(len(model.layers)), None)
+    hook.remove()
+    rms = lambda t: t.pow(2).mean(-1).sqrt().median().item()  # noqa: E731
+    return rms(seen["x"]), rms(h)
+
+
+def init_from_target(mtp: MTPModule, model, scales: tuple[float, float]) -> None:
+    """Start as the target's own last step: decoder layer = its last layer, shared_head.norm
+    = its final norm, and eh_proj(hnorm(h)) = the residual stream h was normed from
+    (hnorm undoes the final norm's weight), plus a little of the token embedding."""
+    r_rms, h_rms = scales
+    last = model.layers[-1]
+    with torch.no_grad():
+        mtp.layer.load_state_dict(last.state_dict())
+        w_f = model.norm.weight
+        mtp.shared_head_norm.weight.copy_(w_f)
+        mtp.enorm.weight.fill_(1.0)
+        safe = torch.where(w_f.abs() < 0.05, torch.full_like(w_f, 0.05).copysign(w_f), w_f)
+        mtp.hnorm.weight.copy_(1.0 / safe)
+        h = mtp.eh_proj.weight.shape[0]
+        w = torch.randn(h, 2 * h) * 0.02
+        w[:, h:] += r_rms * h_rms * torch.eye(h)
+        w[:, :h] += 0.1 * r_rms * torch.eye(h)
+        mtp.eh_proj.weight.copy_(w)
+
+
+def draft_vocabulary(toks: torch.Tensor, mask: torch.Tensor, size: int, first_ids: int,
+                     vocab_size: int) -> torch.Tensor:
+    """Token ids the head may propose (sorted): the `first_ids` lowest ids (BPE merge order,
+    roughly general frequency) and the corpus's `size` most frequent tokens. The head's LM
+    head then costs a fraction of the full one."""
+    counts = torch.bincount(toks[mask], minlength=vocab_size)
+    top = counts.topk(min(size, vocab_size)).indices
+    return torch.unique(torch.cat((torch.arange(min(first_ids, vocab_size)), top)))
+
+
+def coverage(vocab: torch.Tensor, toks: torch.Tensor, mask: torch.Tensor) -> float:
+    inside = torch.zeros(int(toks.max()) + 1 if toks.numel() else 1, dtype=torch.bool)
+    inside[vocab[vocab < inside.numel()]] = True
+    return inside[toks[mask]].float().mean().item()
+
+
+def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the target's renormalised top-k distribution, masked rows."""
+    student = torch.log_softmax(logits.float(), -1)
+    p = torch.softmax(lp.float(), -1)
+    per_row = -(p * student.gather(-1, ids.long())).sum(-1)
+    return (per_row * mask).sum() / mask.sum().clamp_min(1)
+
+
+def run_head(mtp: MTPModule, dense: DenseCausal, toks, hid, cfg, second: bool,
+             vocab: torch.Tensor | None = None):
+    """Step 1 (and the unrolled step 2) over a batch; returns (logits1, logits2|None).
+    With `vocab`, logits over those token ids only (a sampled softmax for training)."""
+    def logits(x):
+        if vocab is None:
+            return mtp.logits(x)
+        w = mtp._shared[1].weight.index_select(0, vocab)
+        return (mtp.shared_head_norm(x) @ w.t()).float()
+
+    b, t = toks.shape
+    n = t - 1
+    dense.shape, dense.mode = (b, n), 1
+    pos1 = torch.arange(n).repeat(b)
+    x1 = mtp(toks[:, 1:].reshape(-1), hid[:, :n].reshape(b * n, -1).float(), pos1,
+             None, None, None)
+    lg1 = logits(x1)
+    if not second:
+        return lg1, None
+    dense.mode = 2
+    # row r: hidden of step-1 row r, token x_{r+2}, position r+1 (last row has no token)
+    nxt = torch.cat((toks[:, 2:], toks[:, -1:]), dim=1).reshape(-1)
+    x2 = mtp(nxt, x1, pos1 + 1, None, None, None)
+    return lg1, logits(x2)
+
+
+def step_targets(toks, mask, top_lp, top_id):
+    """Teacher log-probs, ids and row masks for step 1 (row t -> position t+1) and the
+    unrolled step 2 (row t -> position t+2), each with T-1 rows per sequence."""
+    b = toks.shape[0]
+    pad = torch.zeros(b, 1, dtype=torch.bool)
+    lp1, id1, m1 = top_lp[:, 1:], top_id[:, 1:], mask[:, 1:]
+    lp2 = torch.cat((top_lp[:, 2:], top_lp[:, -1:]), 1)
+    id2 = torch.cat((top_id[:, 2:], top_id[:, -1:]), 1)
+    m2 = torch.cat((mask[:, 2:], pad), 1)
+    k = top_lp.shape[-1]
+    return ((lp1.reshape(-1, k), id1.reshape(-1, k), m1.reshape(-1)),
+            (lp2.reshape(-1, k), id2.reshape(-1, k), m2.reshape(-1)))
+
+
+def evaluate(mtp, dense, data, idx, cfg) -> tuple[float, float]:
+    """Held-out top-1 agreement with the target, for draft step 1 and step 2."""
+    toks, mask, hid, top_lp, top_id = data
+    hits, counts = [0, 0], [0, 0]
+    with torch.no_grad():
+        for i in range(0, len(idx), 4):
+            b = idx[i:i + 4]
+            logits = run_head(mtp, dense, toks[b], hid[b], cfg, True)
+            for j, (lg, (_, ids, m)) in enumerate(zip(logits, step_targets(
+                    toks[b], mask[b], top_lp[b], top_id[b]), strict=True)):
+                hits[j] += ((lg.argmax(-1) == ids[:, 0].long()) & m).sum().item()
+                counts[j] += m.sum().item()
+    return hits[0] / max(counts[0], 1), hits[1] / max(counts[1], 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the target's HF folder")
+    ap.add_argument("--out", required=True, help="safetensors file to write (bf16)")
+    ap.add_argument("--max-new", type=int, default=160, help="tokens generated per prompt")
+    ap.add_argument("--seq-len", type=int, default=224)
+    ap.add_argument("--topk", type=int, default=20, help="teacher distribution support")
+    ap.add_argument("--epochs", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--step2-weight", type=float, default=0.5)
+    ap.add_argument("--negatives", type=int, default=4096,
+                    help="random vocabulary entries added to each step's sampled softmax")
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="draft only the corpus's most frequent tokens (this many; 0: the "
+                         "whole vocabulary) ...")
+    ap.add_argument("--draft-vocab-first-ids", type=int, default=16384,
+                    help="... and the tokenizer's lowest ids")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat-per-topic", type=int, default=5)
+    ap.add_argument("--num-topics", type=int, default=len(TOPICS))
+    ap.add_argument("--cache", help="where to keep the corpus features between runs (.pt)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    t0 = time.time()
+
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer(args.model)
+    cache = Path(args.cache) if args.cache else None
+    if cache is not None and cache.is_file():
+        data, n_train = torch.load(cache)
+    else:
+        train_prompts = make_prompts(TOPICS[:args.num_topics], tok, rng,
+                                     args.chat_per_topic)
+        held_prompts = make_prompts(HELD_OUT_TOPICS, tok, rng)
+        seqs = generate_corpus(args.model, train_prompts + held_prompts, args.max_new,
+                               args.seed)
+        n_train = len(train_prompts)
+        print(f"corpus: {len(seqs)} sequences, {sum(len(s) for s in seqs)} tokens "
+              f"({time.time() - t0:.0f}s)", flush=True)
+        model, cfg = load_model(args.model, torch.float32, torch.device("cpu"))
+        data = target_features(model, seqs, args.seq_len, args.topk, args.batch)
+        data = (*data, residual_scale(model, data[0][:2]))
+        del model
+        if cache is not None:
+            torch.save((data, n_train), cache)
+    toks, mask, hid, top_lp, top_id, scale = data
+    data = data[:5]
+    print(f"features ready ({time.time() - t0:.0f}s)", flush=True)
+
+    model, cfg = load_model(args.model, torch.float32, torch.device("cpu"))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    dense = DenseCausal(cfg.head_dim ** -0.5)
+    mtp = MTPModule(cfg, model.embed_tokens, model.lm_head, dense)
+    init_from_target(mtp, model, scale)
+    held = list(range(n_train, toks.shape[0]))
+    a1, a2 = evaluate(mtp, dense, data, held, cfg)
+    print(f"held-out top-1 agreement before training: step1 {a1:.3f} step2 {a2:.3f}",
+          flush=True)
+
+    opt = torch.optim.AdamW(mtp.parameters(), lr=args.lr, weight_decay=0.0)
+    order = list(range(n_train))
+    total = args.epochs * math.ceil(n_train / args.batch)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total)))
+    bar = tqdm(total=total, desc="train mtp", unit="step")
+    for _ in range(args.epochs):
+        rng.shuffle(order)
+        for i in range(0, n_train, args.batch):
+            b = order[i:i + args.batch]
+            # sampled softmax: the teachers' candidates plus random negatives
+            vocab = torch.unique(torch.cat((top_id[b].reshape(-1).long(),
+                                            torch.randint(0, cfg.vocab_size,
+                                                          (args.negatives,)))))
+            remap = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+            remap[vocab] = torch.arange(vocab.numel())
+            lg1, lg2 = run_head(mtp, dense, toks[b], hid[b], cfg, args.step2_weight > 0,
+                                vocab)
+            (lp1, id1, m1), (lp2, id2, m2) = step_targets(toks[b], mask[b], top_lp[b],
+                                                          top_id[b])
+            id1, id2 = remap[id1.long()], remap[id2.long()]
+            l1 = distill_loss(lg1, lp1, id1, m1)
+            loss = l1
+            if lg2 is not None:
+                loss = l1 + args.step2_weight * distill_loss(lg2, lp2, id2, m2)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{l1.item():.3f}")
+    bar.close()
+    a1, a2 = evaluate(mtp, dense, data, held, cfg)
+    print(f"held-out top-1 agreement after training: step1 {a1:.3f} step2 {a2:.3f}",
+          flush=True)
+
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous()
+               for k, v in mtp.hf_state_dict(prefix).items()}
+    if args.draft_vocab:
+        vocab = draft_vocabulary(toks[:n_train], mask[:n_train], args.draft_vocab,
+                                 args.draft_vocab_first_ids, cfg.vocab_size)
+        tensors[prefix + DRAFT_VOCAB_KEY] = vocab
+        print(f"draft vocabulary: {vocab.numel()} tokens, held-out coverage "
+              f"{coverage(vocab, toks[n_train:], mask[n_train:]):.4f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pdserve-mtp", "target": Path(args.model).name,
+            "num_hidden_layers": str(cfg.num_hidden_layers),
+            "heldout_top1_step1": f"{a1:.4f}", "heldout_top1_step2": f"{a2:.4f}",
+            "args": json.dumps(vars(args))}
+    save_file(tensors, str(out), metadata=meta)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
