@@ -78,14 +78,20 @@ class RotaryEmbedding(nn.Module):
         passes the same positions tensor: the gather runs once per forward, keyed on the
         tensor and its version counter (in-place writes, e.g. a graph's persistent buffer
         refilled for the next replay, bump it)."""
+        if positions.is_inference():    # no version counter: never cache
+            self._cached = None
+            return self._gather(positions, dtype)
         key = (positions, positions._version, dtype)
         c = self._cached
         if c is not None and c[0] is key[0] and c[1:3] == key[1:]:
             return c[3], c[4]
-        cos = self.cos[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_signed[positions].to(dtype).unsqueeze(1)
+        cos, sin = self._gather(positions, dtype)
         self._cached = (*key, cos, sin)
         return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype):
+        return (self.cos[positions].to(dtype).unsqueeze(1),
+                self.sin_signed[positions].to(dtype).unsqueeze(1))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.half, dims=-1) * sin
