@@ -16,15 +16,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.prefix_hash import chain_hash
 from engine.sequence import Sequence
 
+__all__ = ["BlockManager", "PADDING_BLOCK_ID", "chain_hash"]
+
 PADDING_BLOCK_ID = 0
-
-
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    # Tuples of ints hash deterministically across processes (no hash randomisation),
-    # which later lets nodes publish the hashes they hold.
-    return hash((parent if parent is not None else -1, tokens))
 
 
 class Block:

@@ -1,5 +1,5 @@
-"""`pdserve up`, for now the offline engine on the default model: a few chat prompts,
-their text and the tokens/s. (The cluster issue turns `up` into the local cluster.)"""
+"""`pdserve offline`: the offline engine (no cluster) on the default model: a few chat
+prompts, their text and the tokens/s."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ DEMO_PROMPTS = (
 )
 
 
-def _run(args: argparse.Namespace) -> int:
-    from cluster.cli import CliError
+HELP = "run the engine in-process on a few prompts (offline demo, no cluster)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.cli_common import CliError
     from engine import LLM, SamplingParams
 
     model = args.model
@@ -44,9 +47,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("up", help="run the engine on the default model (offline demo)",
-                              description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="DIR",
                    help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -54,4 +55,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("prompt", nargs="*", help="prompts (default: a few built-in ones)")
-    p.set_defaults(func=_run)

@@ -1,0 +1,21 @@
+"""`pdserve decode`: a decode node of PD PUSH mode: gRPC server (health, reflection), engine
+loop in its own thread, registration in etcd under /pdserve/<cluster>/nodes/decode/<node_id>.
+SIGTERM drains: deregister, finish what is in flight, exit."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.commands.node_options import add_node_arguments
+
+HELP = "run a decode node"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_node_arguments(parser, "decode", default_port=50071)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.node_main import run_node
+
+    return run_node("decode", args)

@@ -1,0 +1,67 @@
+"""Flags shared by `pdserve prefill` and `pdserve decode` (each also read from an env var)."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.cli_common import env_argument, env_flag
+
+
+def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int) -> None:
+    net = p.add_argument_group("network and discovery")
+    env_argument(net, "--listen", "PDSERVE_LISTEN", default=f"127.0.0.1:{default_port}",
+                 metavar="HOST:PORT", help="gRPC listen address (port 0: any free port)")
+    env_argument(net, "--advertise", "PDSERVE_ADVERTISE", default=None, metavar="HOST:PORT",
+                 help="address other nodes and routers dial (default: the bound listen "
+                      "address; 0.0.0.0 becomes 127.0.0.1)")
+    env_argument(net, "--etcd", "PDSERVE_ETCD", default="127.0.0.1:2379",
+                 metavar="HOST:PORT[,HOST:PORT]",
+                 help="etcd endpoints; `none` runs without discovery")
+    env_argument(net, "--cluster", "PDSERVE_CLUSTER", default="default",
+                 help="cluster name: the etcd prefix /pdserve/<cluster>/")
+    env_argument(net, "--node-id", "PDSERVE_NODE_ID", default=None,
+                 help=f"node id (default: {role}-<host>-<pid>)")
+    env_argument(net, "--lease-ttl", "PDSERVE_LEASE_TTL", default=5, type=int, metavar="S",
+                 help="etcd lease TTL in seconds (the liveness signal)")
+    env_argument(net, "--load-interval", "PDSERVE_LOAD_INTERVAL", default=0.5, type=float,
+                 metavar="S", help="how often the load figures are published")
+    env_argument(net, "--drain-timeout", "PDSERVE_DRAIN_TIMEOUT", default=30.0, type=float,
+                 metavar="S", help="on SIGTERM, how long in-flight requests may take")
+    env_argument(net, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
+                 help="write the advertised address here once serving (for launchers)")
+
+    eng = p.add_argument_group("engine")
+    env_argument(eng, "--model", "PDSERVE_MODEL", default=None, metavar="DIR",
+                 help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    env_argument(eng, "--device", "PDSERVE_DEVICE", default="cpu", help="cpu | cuda[:i] | npu[:i]")
+    env_argument(eng, "--dtype", "PDSERVE_DTYPE", default="auto",
+                 choices=["auto", "float32", "bfloat16", "float16"])
+    env_argument(eng, "--block-size", "PDSERVE_BLOCK_SIZE", default=16, type=int)
+    env_argument(eng, "--num-gpu-blocks", "PDSERVE_NUM_GPU_BLOCKS", default=None, type=int,
+                 help="KV blocks (default: from --kv-cache-memory-gb)")
+    env_argument(eng, "--kv-cache-memory-gb", "PDSERVE_KV_CACHE_MEMORY_GB", default=1.0,
+                 type=float)
+    env_argument(eng, "--max-num-seqs", "PDSERVE_MAX_NUM_SEQS", default=64, type=int)
+    env_argument(eng, "--max-num-batched-tokens", "PDSERVE_MAX_NUM_BATCHED_TOKENS",
+                 default=2048, type=int)
+    env_argument(eng, "--max-model-len", "PDSERVE_MAX_MODEL_LEN", default=None, type=int)
+    env_flag(eng, "--no-prefix-caching", "PDSERVE_NO_PREFIX_CACHING",
+             help="disable the prefix cache")
+    env_argument(eng, "--seed", "PDSERVE_SEED", default=0, type=int)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """EngineConfig from the parsed flags (ValueError names a bad value)."""
+    from engine.config import EngineConfig
+
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+        model = str(prepare_default_model(progress=False))
+    return EngineConfig(model=model, dtype=args.dtype, device=args.device,
+                        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                        kv_cache_memory_gb=args.kv_cache_memory_gb,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len,
+                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)

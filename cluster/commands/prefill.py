@@ -1,0 +1,21 @@
+"""`pdserve prefill`: a prefill node of PD PUSH mode: gRPC server (health, reflection), engine
+loop in its own thread, registration in etcd under /pdserve/<cluster>/nodes/prefill/<node_id>.
+SIGTERM drains: deregister, finish what is in flight, exit."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.commands.node_options import add_node_arguments
+
+HELP = "run a prefill node"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_node_arguments(parser, "prefill", default_port=50061)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.node_main import run_node
+
+    return run_node("prefill", args)

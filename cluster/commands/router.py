@@ -1,0 +1,61 @@
+"""`pdserve router`: the OpenAI-compatible HTTP API and the gRPC Generate API in front of
+the prefill and decode nodes found in etcd under /pdserve/<cluster>/. Tokenizes with the
+model folder's tokenizer, picks nodes by --policy, replays a request on a healthy pair when a
+node dies mid-stream. Stateless: run as many routers as you like against one cluster."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.cli_common import CliError, env_argument
+
+HELP = "run a router (OpenAI HTTP + gRPC API) in front of the nodes"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from router.policies import DEFAULT_POLICY, POLICIES
+
+    env_argument(p, "--http", "PDSERVE_HTTP", default="127.0.0.1:8000", metavar="HOST:PORT",
+                 help="OpenAI-compatible HTTP listen address (port 0: any free port)")
+    env_argument(p, "--grpc", "PDSERVE_GRPC", default="127.0.0.1:50051", metavar="HOST:PORT",
+                 help="gRPC (pdserve.v1.Generation) listen address")
+    env_argument(p, "--etcd", "PDSERVE_ETCD", default="127.0.0.1:2379",
+                 metavar="HOST:PORT[,HOST:PORT]", help="etcd endpoints")
+    env_argument(p, "--cluster", "PDSERVE_CLUSTER", default="default",
+                 help="cluster name: the etcd prefix /pdserve/<cluster>/")
+    env_argument(p, "--model", "PDSERVE_MODEL", default=None, metavar="DIR",
+                 help="the HF model folder the nodes serve (tokenizer, chat template; "
+                      "default: the prepared SmolLM2-135M-Instruct)")
+    env_argument(p, "--served-model-name", "PDSERVE_SERVED_MODEL_NAME", default=None,
+                 help="the `model` clients pass (default: the folder's name)")
+    env_argument(p, "--policy", "PDSERVE_POLICY", default=DEFAULT_POLICY,
+                 choices=sorted(POLICIES), help="routing policy")
+    env_argument(p, "--max-model-len", "PDSERVE_MAX_MODEL_LEN", default=None, type=int,
+                 help="reject prompts at or over this many tokens (default: the model's)")
+    env_argument(p, "--max-attempts", "PDSERVE_MAX_ATTEMPTS", default=4, type=int,
+                 help="node pairs tried per request, replays after a node failure included")
+    env_argument(p, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
+                 help="write {\"http\": URL, \"grpc\": ADDR} here once serving")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.server import RouterConfig, serve
+
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+        model = str(prepare_default_model(progress=False))
+    try:
+        config = RouterConfig(model=model, served_model_name=args.served_model_name,
+                              http_listen=args.http, grpc_listen=args.grpc, etcd=args.etcd,
+                              cluster=args.cluster, policy=args.policy,
+                              max_model_len=args.max_model_len, max_attempts=args.max_attempts,
+                              ready_file=args.ready_file)
+        asyncio.run(serve(config))
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"cannot start the router: {exc}") from None
+    return 0

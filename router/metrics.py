@@ -1,0 +1,74 @@
+"""Prometheus metrics of one router (its own CollectorRegistry, so several routers can live
+in one process, as in tests).
+
+TTFT and inter-token latency are measured at the router, as a client sees them; per-node
+load is read from the node pool at scrape time, so departed nodes disappear from /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.node_pool import NodePool
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
+
+
+class _NodeLoadCollector(Collector):
+    def __init__(self, pool: NodePool):
+        self.pool = pool
+
+    def collect(self):
+        labels = ["node", "role"]
+        fams = {
+            "running": GaugeMetricFamily("pdserve_node_running_requests",
+                                         "Requests running on the node (as it published)",
+                                         labels=labels),
+            "waiting": GaugeMetricFamily("pdserve_node_waiting_requests",
+                                         "Requests waiting on the node (as it published)",
+                                         labels=labels),
+            "free_blocks": GaugeMetricFamily("pdserve_node_free_kv_blocks",
+                                             "Free KV blocks on the node (as it published)",
+                                             labels=labels),
+            "inflight": GaugeMetricFamily("pdserve_router_node_inflight_requests",
+                                          "Requests this router has on the node now",
+                                          labels=labels),
+        }
+        for node in self.pool.all():
+            for attr, fam in fams.items():
+                fam.add_metric([node.node_id, node.role], float(getattr(node, attr)))
+        yield from fams.values()
+
+
+class RouterMetrics:
+    def __init__(self, pool: NodePool):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+                              "Time from request arrival to its first token", ["endpoint"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
+                             "Time between consecutive token batches of a request",
+                             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_router_requests",
+                                "Finished requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens served",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_router_generation_tokens",
+                                         "Tokens generated", registry=r)
+        self.replays = Counter("pdserve_router_replays",
+                               "Requests replayed on another node pair after a node failure",
+                               registry=r)
+        self.node_failures = Counter("pdserve_router_node_failures",
+                                     "Node calls that failed and dropped the node", ["role"],
+                                     registry=r)
+        r.register(_NodeLoadCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

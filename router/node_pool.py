@@ -1,0 +1,103 @@
+"""The router's view of the cluster: live nodes by role, their published load and prefix
+block hashes, and this router's own in-flight count per node.
+
+Fed by the discovery watch (PUT adds or updates, DELETE removes). A node whose call fails is
+dropped at once (`mark_failed`) rather than waiting for its lease to expire; it comes back
+only when discovery announces it again with a new incarnation (a restart), or when its
+registration is re-put after `failed_hold_s` (a transient fault).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    role: str                       # "prefill" | "decode"
+    address: str                    # host:port of its gRPC server
+    model: str = ""
+    incarnation: str = ""
+    block_size: int = 16
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_hashes: frozenset[int] = field(default_factory=frozenset)
+    inflight: int = 0               # requests this router has on the node right now
+
+    @property
+    def load(self) -> int:
+        # Published figures lag by the publish interval; this router's own in-flight count
+        # does not, so a burst from one router still spreads.
+        return max(self.running + self.waiting, self.inflight)
+
+
+class NodePool:
+    def __init__(self, failed_hold_s: float = 5.0):
+        self._nodes: dict[str, NodeState] = {}
+        self._failed: dict[str, tuple[str, float]] = {}   # node_id -> (incarnation, when)
+        self.failed_hold_s = failed_hold_s
+        self.version = 0            # bumped on membership change (tests wait on it)
+
+    # ---- discovery events ------------------------------------------------------------
+    def upsert(self, node: NodeState) -> None:
+        failed = self._failed.get(node.node_id)
+        if failed is not None:
+            incarnation, when = failed
+            if (node.incarnation == incarnation
+                    and time.monotonic() - when < self.failed_hold_s):
+                return                       # the same process we just saw fail
+            del self._failed[node.node_id]
+        old = self._nodes.get(node.node_id)
+        if old is not None and old.incarnation == node.incarnation:
+            # A re-put of the same process: keep the load it published and our count.
+            for attr in ("running", "waiting", "free_blocks", "total_blocks", "block_hashes",
+                         "inflight"):
+                setattr(node, attr, getattr(old, attr))
+        if old is None or old.address != node.address or old.incarnation != node.incarnation:
+            self.version += 1
+        self._nodes[node.node_id] = node
+
+    def update_load(self, node_id: str, *, running: int | None = None,
+                    waiting: int | None = None, free_blocks: int | None = None,
+                    total_blocks: int | None = None,
+                    block_hashes: frozenset[int] | None = None) -> None:
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        if running is not None:
+            node.running = running
+        if waiting is not None:
+            node.waiting = waiting
+        if free_blocks is not None:
+            node.free_blocks = free_blocks
+        if total_blocks is not None:
+            node.total_blocks = total_blocks
+        if block_hashes is not None:
+            node.block_hashes = block_hashes
+
+    def remove(self, node_id: str) -> None:
+        if self._nodes.pop(node_id, None) is not None:
+            self.version += 1
+
+    def mark_failed(self, node_id: str) -> None:
+        node = self._nodes.get(node_id)
+        if node is not None:
+            self._failed[node_id] = (node.incarnation, time.monotonic())
+            self.remove(node_id)
+
+    # ---- queries ---------------------------------------------------------------------
+    def nodes(self, role: str, model: str | None = None) -> list[NodeState]:
+        """Live nodes of a role, sorted by node id (policies depend on a stable order)."""
+        out = [n for n in self._nodes.values()
+               if n.role == role and (model is None or not n.model or n.model == model)]
+        return sorted(out, key=lambda n: n.node_id)
+
+    def get(self, node_id: str) -> NodeState | None:
+        return self._nodes.get(node_id)
+
+    def all(self) -> list[NodeState]:
+        return sorted(self._nodes.values(), key=lambda n: (n.role, n.node_id))

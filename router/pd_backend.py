@@ -1,0 +1,277 @@
+"""The PD PUSH flow from the router's side, with replay on node failure.
+
+Per attempt: pick a prefill and a decode node (the policy), open DecodeNode.Decode (its
+first event is the reservation), send PrefillNode.Prefill the moment the reservation
+arrives, and stream the decode node's token events back. The Prefill call is watched
+alongside the token stream, so a prefill node that dies ends the attempt at once instead of
+leaving the decode node to wait out its lease.
+
+When a node fails (connection refused, UNAVAILABLE, a stream that ends without a finish),
+the node is dropped from the pool and the request is replayed on another pair with the
+prompt plus every token already streamed as the new prompt and max_tokens reduced by them:
+the client's stream continues where it was, with nothing lost or repeated. (Greedy output is
+unchanged by a replay; penalties then count the streamed tokens as prompt tokens.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from protos import node_pb2, node_pb2_grpc
+from router.backend import NodeRequest, StepOutput
+from router.errors import InvalidRequest, NodeFailure, NoNodeAvailable, Overloaded, RouterError
+from router.metrics import RouterMetrics
+from router.node_pool import NodePool, NodeState
+from router.policies.base import RoutingPolicy, RoutingRequest
+from router.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+
+log = logging.getLogger("pdserve.router")
+
+# Codes that say the node, not the request, is the problem: drop it and replay elsewhere.
+_NODE_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.DEADLINE_EXCEEDED}
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+class _TryOther(Exception):
+    """This pair cannot take the request (full, incompatible, aborted); try another one."""
+
+    def __init__(self, node_id: str, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.node_id, self.code, self.message = node_id, code, message
+
+
+class ChannelCache:
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address,
+                                                                      options=_CHANNEL_OPTIONS)
+        return ch
+
+    async def drop(self, address: str) -> None:
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            await ch.close(grace=None)
+
+    async def close(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
+
+
+class PdBackend:
+    def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
+                 max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4):
+        self.pool, self.policy, self.metrics = pool, policy, metrics
+        self.max_model_len = max_model_len
+        self.lease_ms = lease_ms
+        self.max_attempts = max_attempts
+        self.channels = ChannelCache()
+
+    def ready(self) -> bool:
+        return bool(self.pool.nodes("prefill")) and bool(self.pool.nodes("decode"))
+
+    async def close(self) -> None:
+        await self.channels.close()
+
+    # ---- node choice -------------------------------------------------------------------
+    def _pick(self, role: str, routing: RoutingRequest, exclude: set[str]) -> NodeState:
+        nodes = [n for n in self.pool.nodes(role) if n.node_id not in exclude]
+        if not nodes:
+            raise NoNodeAvailable(f"no {role} node is available")
+        return self.policy.pick(role, nodes, routing)
+
+    async def _node_failed(self, node: NodeState, why: str, rid: str) -> None:
+        log.warning("[%s] %s node %s (%s) failed: %s; dropping it", rid, node.role,
+                    node.node_id, node.address, why)
+        self.pool.mark_failed(node.node_id)
+        self.metrics.node_failures.labels(node.role).inc()
+        await self.channels.drop(node.address)
+
+    # ---- the request -------------------------------------------------------------------
+    async def generate(self, request: NodeRequest) -> AsyncIterator[StepOutput]:
+        streamed: list[int] = []
+        exclude: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        full: set[str] = set()           # decode nodes that said RESOURCE_EXHAUSTED
+        refusals: list[str] = []
+        attempt = 0
+        while True:
+            prompt = request.prompt_token_ids + streamed
+            if len(prompt) >= self.max_model_len:     # only reachable after a replay
+                yield StepOutput([], finish_reason="length")
+                return
+            params = request.params
+            if streamed:
+                params = SamplingParams(**{**_fields(params),
+                                           "max_tokens": params.max_tokens - len(streamed)})
+            rid = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+            routing = RoutingRequest(rid, prompt)
+            try:
+                pre = self._pick("prefill", routing, exclude["prefill"])
+                dec = self._pick("decode", routing, exclude["decode"])
+            except NoNodeAvailable as exc:
+                if full:
+                    raise Overloaded(f"every decode node is full ({len(full)} tried); "
+                                     "retry later") from None
+                if refusals:
+                    raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
+                                          ) from None
+                raise
+            try:
+                async with contextlib.aclosing(self._attempt(
+                        pre, dec, rid, prompt, params, request.params,
+                        first_attempt=attempt == 0)) as steps:
+                    async for step in steps:
+                        streamed.extend(step.token_ids)
+                        yield step
+                        if step.finish_reason is not None:
+                            return
+                raise NodeFailure(dec.node_id, "the token stream ended without a finish")
+            except NodeFailure as f:
+                node = pre if f.node_id == pre.node_id else dec
+                await self._node_failed(node, str(f), rid)
+                self.metrics.replays.inc()
+            except _TryOther as t:
+                role = "prefill" if t.node_id == pre.node_id else "decode"
+                exclude[role].add(t.node_id)
+                if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full.add(t.node_id)
+                refusals.append(f"{t.node_id}: {t.message}")
+                log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
+                         t.node_id, t.code.name, t.message)
+            attempt += 1
+            if attempt >= self.max_attempts:
+                if full and len(full) == len(refusals):
+                    raise Overloaded(f"every decode node tried is full: {refusals[-1]}")
+                raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
+                                      f"{refusals[-1] if refusals else 'node failure'}")
+            if streamed:
+                log.info("[%s] replaying with %d streamed tokens on another pair", rid,
+                         len(streamed))
+
+    async def _attempt(self, pre: NodeState, dec: NodeState, rid: str, prompt: list[int],
+                       params: SamplingParams, original: SamplingParams, first_attempt: bool
+                       ) -> AsyncIterator[StepOutput]:
+        decode_stub = node_pb2_grpc.DecodeNodeStub(self.channels.get(dec.address))
+        prefill_stub = node_pb2_grpc.PrefillNodeStub(self.channels.get(pre.address))
+        sampling = sampling_to_proto(params)
+        call = decode_stub.Decode(node_pb2.ReserveRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=self.lease_ms))
+        prefill: asyncio.Task | None = None
+        read: asyncio.Future | None = None
+        pre.inflight += 1
+        dec.inflight += 1
+        prefill_open = True
+        log.info("[%s] prefill %s -> decode %s (%d prompt tokens)", rid, pre.node_id,
+                 dec.node_id, len(prompt))
+        try:
+            read = asyncio.ensure_future(call.read())
+            while True:
+                waits = {read} if prefill is None or not prefill_open else {read, prefill}
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if prefill is not None and prefill_open and prefill in done:
+                    prefill_open = False
+                    pre.inflight -= 1
+                    _check_prefill(prefill, pre, dec)
+                if read not in done:
+                    continue
+                event = _decode_result(read, dec, prefill, pre)
+                if event is grpc.aio.EOF:
+                    raise NodeFailure(dec.node_id, "the token stream ended without a finish")
+                read = asyncio.ensure_future(call.read())
+                if event.HasField("reservation"):
+                    r = event.reservation
+                    prefill = asyncio.ensure_future(prefill_stub.Prefill(node_pb2.PrefillRequest(
+                        request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                        decode_address=dec.address, reservation_id=r.reservation_id,
+                        block_ids=r.block_ids, num_cached_blocks=r.num_cached_blocks,
+                        decode_fingerprint=r.fingerprint)))
+                    continue
+                t = event.tokens
+                finish = finish_from_proto(t.finish_reason)
+                if finish == "abort":
+                    raise _TryOther(dec.node_id, grpc.StatusCode.ABORTED,
+                                    t.stop_reason or "the decode node aborted the request")
+                cached = t.usage.cached_prompt_tokens if t.HasField("usage") else 0
+                yield StepOutput(
+                    list(t.token_ids),
+                    logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
+                    finish_reason=finish,
+                    stop_reason=(t.stop_reason or None) if finish else None,
+                    num_cached_tokens=cached if first_attempt else 0,
+                    meta={"prefill": pre.node_id, "decode": dec.node_id})
+                if finish is not None:
+                    return
+        finally:
+            dec.inflight -= 1
+            if prefill_open:
+                pre.inflight -= 1
+            for fut in (read, prefill):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+            call.cancel()
+            for fut in (read, prefill):
+                if fut is not None:
+                    with contextlib.suppress(BaseException):
+                        await fut
+
+
+def _fields(p: SamplingParams) -> dict:
+    from engine.sampling_params import _NAMES
+    return {n: getattr(p, n) for n in _NAMES}
+
+
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    return None
+
+
+def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
+    """A finished Prefill call: fine, or the reason this attempt ends."""
+    if task.cancelled():
+        raise NodeFailure(pre.node_id, "the prefill call was cancelled")
+    exc = task.exception()
+    if exc is None:
+        return
+    status = _status(exc)
+    if status is None:
+        raise NodeFailure(pre.node_id, f"prefill call failed: {exc!r}")
+    code, message = status
+    if code in _NODE_DOWN and "decode" not in message.lower():
+        raise NodeFailure(pre.node_id, f"{code.name}: {message}")
+    raise _classify(code, message, dec if "decode" in message.lower() else pre)
+
+
+def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
+                   pre: NodeState):
+    try:
+        return read.result()
+    except grpc.aio.AioRpcError as exc:
+        code, message = exc.code(), exc.details() or exc.code().name
+        if code == grpc.StatusCode.ABORTED and prefill is not None and prefill.done():
+            _check_prefill(prefill, pre, dec)     # the prefill's own failure says more
+        if code in _NODE_DOWN:
+            raise NodeFailure(dec.node_id, f"{code.name}: {message}") from None
+        raise _classify(code, message, dec) from None
+
+
+def _classify(code: grpc.StatusCode, message: str, node: NodeState) -> Exception:
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(message)
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
+        return _TryOther(node.node_id, code, message)
+    if code in _NODE_DOWN:
+        return NodeFailure(node.node_id, f"{code.name}: {message}")
+    return RouterError(f"{node.role} node {node.node_id} failed: {code.name}: {message}")

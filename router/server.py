@@ -1,0 +1,134 @@
+"""Assembles and runs one router: discovery watch -> node pool -> policy -> PD backend ->
+HTTP + gRPC fronts. Stateless: everything it knows comes from discovery, so any number of
+routers can serve one cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str                                  # HF folder: tokenizer, chat template, limits
+    served_model_name: str | None = None        # default: the folder's name
+    http_listen: str = "127.0.0.1:8000"
+    grpc_listen: str = "127.0.0.1:50051"
+    etcd: str = "127.0.0.1:2379"                # HOST:PORT[,HOST:PORT...]
+    cluster: str = "default"
+    policy: str = "prefix-cache-aware"
+    max_model_len: int | None = None
+    lease_ms: int = 30_000                      # decode-side reservation lease
+    max_attempts: int = 4                       # pairs tried per request (replays included)
+    ready_file: str | None = None               # JSON {"http": url, "grpc": addr} once serving
+    drain_timeout: float = 30.0
+
+    def __post_init__(self):
+        from router.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose one of "
+                             f"{', '.join(sorted(POLICIES))}")
+        for name in ("http_listen", "grpc_listen"):
+            host, _, port = getattr(self, name).rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"{name} must be HOST:PORT, got {getattr(self, name)!r}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.lease_ms < 1000:
+            raise ValueError(f"lease_ms must be >= 1000, got {self.lease_ms}")
+
+
+class Router:
+    """A running router; `start()` binds both ports, `stop()` drains and closes."""
+
+    def __init__(self, config: RouterConfig, registry=None):
+        from router.http_server import make_app
+        from router.metrics import RouterMetrics
+        from router.model_info import ModelInfo, load_tokenizer
+        from router.node_pool import NodePool
+        from router.pd_backend import PdBackend
+        from router.policies import make_policy
+        from router.service import RouterService
+
+        self.config = config
+        self.info = ModelInfo.from_folder(config.model, config.served_model_name,
+                                          config.max_model_len)
+        self.pool = NodePool()
+        self.metrics = RouterMetrics(self.pool)
+        self.backend = PdBackend(self.pool, make_policy(config.policy), self.metrics,
+                                 max_model_len=self.info.max_model_len,
+                                 lease_ms=config.lease_ms, max_attempts=config.max_attempts)
+        self.service = RouterService(self.info, load_tokenizer(self.info), self.backend,
+                                     self.metrics)
+        if registry is None:
+            from cluster.discovery import EtcdRegistry
+            registry = EtcdRegistry(config.etcd, cluster=config.cluster)
+        self.registry = registry
+        self.app = make_app(self.service)
+        self._runner = None
+        self._grpc = None
+        self._feed: asyncio.Task | None = None
+        self.http_url = ""
+        self.grpc_address = ""
+
+    async def start(self) -> None:
+        from aiohttp import web
+
+        from router.discovery_feed import follow
+        from router.grpc_server import GrpcFront
+
+        await self.registry.start()
+        self._feed = asyncio.create_task(follow(self.registry, self.pool))
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0)
+        await self._runner.setup()
+        host, _, port = self.config.http_listen.rpartition(":")
+        site = web.TCPSite(self._runner, host, int(port))
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]      # port 0: the one chosen
+        self.http_url = f"http://{host}:{bound}"
+        self._grpc = GrpcFront(self.service, self.config.grpc_listen)
+        await self._grpc.start()
+        ghost = self.config.grpc_listen.rpartition(":")[0]
+        self.grpc_address = f"{ghost}:{self._grpc.port}"
+        log.info("router serving %r: HTTP %s, gRPC %s, policy %s, cluster %r", self.info.name,
+                 self.http_url, self.grpc_address, self.config.policy, self.config.cluster)
+        if self.config.ready_file:
+            path = Path(self.config.ready_file)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps({"http": self.http_url, "grpc": self.grpc_address}))
+            tmp.replace(path)
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=self.config.drain_timeout)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._feed is not None:
+            self._feed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._feed
+        await self.backend.close()
+        await self.registry.close()
+
+
+async def serve(config: RouterConfig) -> None:
+    """Run until SIGTERM / SIGINT, then stop taking requests and finish those in flight."""
+    router = Router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await router.start()
+    try:
+        await stop.wait()
+        log.info("router stopping")
+    finally:
+        await router.stop()

@@ -1,0 +1,259 @@
+"""The router's PD flow over real gRPC against scripted nodes (the boundary): reservation
+then prefill, token streaming, replay on a node's death without loss or duplicates, full
+nodes, cancellation; and the discovery feed (in-memory registry) driving the node pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cluster.discovery import MemoryRegistry, MemoryStore, NodeLoad, NodeRecord
+from engine.sampling_params import SamplingParams
+from protos import common_pb2, node_pb2, node_pb2_grpc
+from router.backend import NodeRequest
+from router.discovery_feed import follow
+from router.errors import NoNodeAvailable, Overloaded
+from router.metrics import RouterMetrics
+from router.node_pool import NodePool, NodeState
+from router.pd_backend import PdBackend
+from router.policies import make_policy
+
+
+def model_next(tokens: list[int]) -> int:
+    """A deterministic 'greedy model': the next token depends on the whole sequence."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + 7) % 300 + 3
+
+
+class Shared:
+    def __init__(self):
+        self.prefilled: dict[str, asyncio.Event] = {}
+        self.prefill_requests: list = []
+        self.reserve_requests: list = []
+        self.cancelled: list[str] = []
+
+    def event(self, rid: str) -> asyncio.Event:
+        return self.prefilled.setdefault(rid, asyncio.Event())
+
+
+class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False):
+        self.shared, self.die_after, self.full = shared, die_after, full
+
+    async def Decode(self, request, context):
+        self.shared.reserve_requests.append((context, request))
+        if self.full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
+        yield node_pb2.DecodeEvent(reservation=node_pb2.Reservation(
+            reservation_id=f"res-{request.request_id}", block_ids=[5, 6, 7],
+            num_cached_blocks=1, lease_ms=request.lease_ms))
+        tokens = list(request.prompt_token_ids)
+        max_tokens = request.sampling.max_tokens
+        try:
+            await self.shared.event(request.request_id).wait()
+            for i in range(max_tokens):
+                if self.die_after is not None and i == self.die_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
+                tokens.append(model_next(tokens))
+                last = i == max_tokens - 1
+                yield node_pb2.DecodeEvent(tokens=node_pb2.TokenEvent(
+                    token_ids=[tokens[-1]],
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0))
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.shared.cancelled.append(request.request_id)
+            raise
+
+
+class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, shared: Shared, fail: bool = False):
+        self.shared, self.fail = shared, fail
+
+    async def Prefill(self, request, context):
+        self.shared.prefill_requests.append(request)
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node crashed")
+        self.shared.event(request.request_id).set()
+        return node_pb2.PrefillReply(first_token_id=0, num_pushed_blocks=2)
+
+
+async def _serve(servicer, add) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _cluster(shared, decodes: list[dict], prefills: list[dict], policy="round-robin"):
+    pool = NodePool()
+    servers = []
+    for i, kw in enumerate(prefills):
+        s, addr = await _serve(FakePrefill(shared, **kw),
+                               node_pb2_grpc.add_PrefillNodeServicer_to_server)
+        servers.append(s)
+        pool.upsert(NodeState(f"prefill-{i}", "prefill", addr, incarnation="x"))
+    for i, kw in enumerate(decodes):
+        s, addr = await _serve(FakeDecode(shared, **kw),
+                               node_pb2_grpc.add_DecodeNodeServicer_to_server)
+        servers.append(s)
+        pool.upsert(NodeState(f"decode-{i}", "decode", addr, incarnation="x"))
+    backend = PdBackend(pool, make_policy(policy), RouterMetrics(pool), max_model_len=512)
+    return pool, backend, servers
+
+
+async def _collect(backend, rid, prompt, max_tokens) -> tuple[list[int], list]:
+    steps = []
+    async for step in backend.generate(NodeRequest(rid, prompt,
+                                                   SamplingParams(max_tokens=max_tokens))):
+        steps.append(step)
+    return [t for s in steps for t in s.token_ids], steps
+
+
+def _expected(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(model_next(tokens))
+    return tokens[len(prompt):]
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+PROMPT = [11, 22, 33, 44, 55]
+
+
+def test_reserve_then_prefill_with_the_reservation_and_stream_tokens():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}], [{}])
+        tokens, steps = await _collect(backend, "r1", PROMPT, 6)
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, pool, tokens, steps
+
+    shared, pool, tokens, steps = _run(main())
+    assert tokens == _expected(PROMPT, 6)
+    assert steps[-1].finish_reason == "length" and all(s.finish_reason is None
+                                                       for s in steps[:-1])
+    pre = shared.prefill_requests[0]
+    assert (pre.reservation_id, list(pre.block_ids), pre.num_cached_blocks) == (
+        "res-r1", [5, 6, 7], 1)
+    assert pre.decode_address == pool.get("decode-0").address
+    assert list(pre.prompt_token_ids) == PROMPT and pre.sampling.max_tokens == 6
+    assert [n.inflight for n in pool.all()] == [0, 0]
+
+
+def test_decode_death_mid_stream_replays_on_another_pair_without_loss_or_duplicates():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{"die_after": 3}, {}], [{}, {}])
+        tokens, steps = await _collect(backend, "r2", PROMPT, 8)
+        live = [n.node_id for n in pool.nodes("decode")]
+        replays = backend.metrics.replays._value.get()
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens, steps, live, replays
+
+    shared, tokens, steps, live, replays = _run(main())
+    assert tokens == _expected(PROMPT, 8)          # identical to an uninterrupted run
+    assert live == ["decode-1"]                     # the dead node left routing at once
+    assert replays == 1
+    second = shared.reserve_requests[1][1]
+    assert second.request_id == "r2.r1"
+    assert list(second.prompt_token_ids) == PROMPT + tokens[:3]
+    assert second.sampling.max_tokens == 5
+
+
+def test_prefill_failure_drops_the_prefill_node_and_replays():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}], [{"fail": True}, {}])
+        tokens, _ = await _collect(backend, "r3", PROMPT, 4)
+        live = [n.node_id for n in pool.nodes("prefill")]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens, live
+
+    shared, tokens, live = _run(main())
+    assert tokens == _expected(PROMPT, 4)
+    assert live == ["prefill-1"]
+    assert [r.request_id for r in shared.prefill_requests] == ["r3", "r3.r1"]
+    # the first attempt's decode call was cancelled (its reservation released), not left
+    # to wait out the lease
+    assert "r3" in shared.cancelled
+
+
+def test_every_decode_node_full_is_overloaded_and_no_nodes_is_unavailable():
+    async def main():
+        shared = Shared()
+        _, backend, servers = await _cluster(shared, [{"full": True}, {"full": True}], [{}])
+        with pytest.raises(Overloaded, match="full"):
+            await _collect(backend, "r4", PROMPT, 4)
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        empty = PdBackend(NodePool(), make_policy("least-load"), RouterMetrics(NodePool()),
+                          max_model_len=512)
+        with pytest.raises(NoNodeAvailable, match="no prefill node"):
+            await _collect(empty, "r5", PROMPT, 4)
+        return shared
+
+    shared = _run(main())
+    assert len(shared.reserve_requests) == 2       # each full node tried once
+    assert shared.prefill_requests == []
+
+
+def test_closing_the_stream_early_cancels_the_decode_call():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}], [{}])
+        gen = backend.generate(NodeRequest("r6", PROMPT, SamplingParams(max_tokens=50)))
+        got = [await anext(gen), await anext(gen)]
+        await gen.aclose()
+        for _ in range(100):
+            if shared.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        inflight = [n.inflight for n in pool.all()]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, got, inflight
+
+    shared, got, inflight = _run(main())
+    assert [s.token_ids[0] for s in got] == _expected(PROMPT, 2)
+    assert shared.cancelled == ["r6"]
+    assert inflight == [0, 0]
+
+
+def test_discovery_feed_adds_updates_and_removes_nodes():
+    async def main():
+        store = MemoryStore()
+        node_reg, router_reg = MemoryRegistry("c", store), MemoryRegistry("c", store)
+        pool = NodePool()
+        await node_reg.register(NodeRecord("decode-a", "decode", "127.0.0.1:1", "inc1",
+                                           fingerprint={"block_size": 4}))
+        task = asyncio.create_task(follow(router_reg, pool))
+        await asyncio.sleep(0.05)
+        seen = [(n.node_id, n.block_size) for n in pool.all()]
+        await node_reg.publish_load(NodeLoad(running=2, waiting=1, free_blocks=9,
+                                             block_hashes=(7, 8), incarnation="inc1"))
+        await asyncio.sleep(0.05)
+        node = pool.get("decode-a")
+        loaded = (node.running, node.waiting, node.free_blocks, node.block_hashes)
+        await node_reg.deregister()
+        await asyncio.sleep(0.05)
+        after = pool.all()
+        task.cancel()
+        return seen, loaded, after
+
+    seen, loaded, after = _run(main())
+    assert seen == [("decode-a", 4)]
+    assert loaded == (2, 1, 9, frozenset({7, 8}))
+    assert after == []
