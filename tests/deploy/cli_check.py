@@ -240,11 +240,32 @@ def check_etcd(c: ContainerView, args: argparse.Namespace, objects: list[dict]) 
     return problems
 
 
+def runtime_config_problems(c: ContainerView, args: argparse.Namespace) -> list[str]:
+    """What the command builds from its flags before serving (the same validation a pod
+    would hit at start): EngineConfig for nodes, RouterConfig for the router."""
+    try:
+        if args.command in ("prefill", "decode") and args.model is not None:
+            from cluster.commands.node_options import engine_config_from_args
+
+            engine_config_from_args(args)
+        elif args.command == "router":
+            from router.server import RouterConfig
+
+            RouterConfig(model=args.model or "", served_model_name=args.served_model_name,
+                         http_listen=args.http, grpc_listen=args.grpc, etcd=args.etcd,
+                         cluster=args.cluster, policy=args.policy,
+                         max_model_len=args.max_model_len, max_attempts=args.max_attempts,
+                         ready_file=args.ready_file)
+    except ValueError as exc:
+        return [f"{c.where}: `pdserve {args.command}` would refuse to start: {exc}"]
+    return []
+
+
 def check_container(c: ContainerView, objects: list[dict]) -> tuple[argparse.Namespace,
                                                                     list[str]]:
     """Parse one pdserve container and check it; CliRejected if the CLI refuses it."""
     args = parse_pdserve(c.argv, c.env)
-    problems: list[str] = []
+    problems: list[str] = runtime_config_problems(c, args)
     if args.command == "router":
         problems += check_router(c, args)
     elif args.command in ("prefill", "decode"):

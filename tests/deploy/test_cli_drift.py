@@ -138,6 +138,29 @@ def test_a_bad_env_value_is_rejected(rendered, key, value, match):
         check_container(_decode(objects), objects)
 
 
+@pytest.mark.parametrize("configmap,key,value,match", [
+    ("pdserve-decode", "PDSERVE_KV_CACHE_MEMORY_GB", "0", "kv_cache_memory_gb must be > 0"),
+    ("pdserve-engine", "PDSERVE_BLOCK_SIZE", "4096", "block_size must be an integer in"),
+])
+def test_a_value_the_engine_refuses_is_reported(rendered, configmap, key, value, match):
+    objects = copy.deepcopy(rendered["cpu-dev"])
+    engine = next(o for o in find(objects, "ConfigMap")
+                  if o["metadata"]["name"].startswith(configmap))
+    engine["data"][key] = value
+    _, problems = check_container(_decode(objects), objects)
+    assert any("would refuse to start" in p and match in p for p in problems), problems
+
+
+def test_a_router_value_it_refuses_is_reported(rendered):
+    objects = copy.deepcopy(rendered["cpu-dev"])
+    router_cm = next(o for o in find(objects, "ConfigMap")
+                     if o["metadata"]["name"].startswith("pdserve-router"))
+    router_cm["data"]["PDSERVE_MAX_ATTEMPTS"] = "0"
+    router = next(c for c in pdserve_containers(objects) if c.argv[1] == "router")
+    _, problems = check_container(router, objects)
+    assert any("max_attempts must be >= 1" in p for p in problems), problems
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda c, s: c["ports"].__setitem__(0, {"name": "grpc", "containerPort": 50072}),
      "--listen port 50071 is not a containerPort"),
