@@ -159,6 +159,12 @@ def check_router(c: ContainerView, args: argparse.Namespace) -> list[str]:
         if path is not None and path not in routes:
             problems.append(f"{c.where}: {kind} GET {path} is not a router route "
                             f"({sorted(routes)})")
+    scrape = c.pod.get("metadata", {}).get("annotations", {})
+    if scrape.get("prometheus.io/scrape") == "true" and (
+            scrape.get("prometheus.io/port") != str(split_address(args.http)[1])
+            or scrape.get("prometheus.io/path") not in routes):
+        problems.append(f"{c.where}: the prometheus.io annotations ({scrape}) do not name "
+                        f"the --http port and a route")
     if c.container.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/health":
         problems.append(f"{c.where}: readinessProbe must be GET /health (ready = nodes known)")
     drain = next(f.default for f in dataclasses.fields(RouterConfig) if f.name == "drain_timeout")

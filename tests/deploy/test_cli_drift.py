@@ -191,6 +191,16 @@ def test_router_probe_on_a_path_it_does_not_serve_is_reported(rendered):
     assert any("GET /healthz is not a router route" in p for p in problems), problems
 
 
+def test_router_scrape_annotation_must_name_the_http_port(rendered):
+    objects = copy.deepcopy(rendered["cuda"])
+    template = one(objects, "Deployment", "pdserve-router")["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    template["metadata"]["annotations"]["prometheus.io/port"] = "9090"
+    router = next(c for c in pdserve_containers(objects) if c.argv[1] == "router")
+    _, problems = check_container(router, objects)
+    assert any("prometheus.io annotations" in p for p in problems), problems
+
+
 def test_etcd_endpoint_must_name_the_etcd_service(rendered):
     objects = copy.deepcopy(rendered["base"])
     cluster = next(o for o in find(objects, "ConfigMap")
