@@ -92,8 +92,12 @@ def full_response(req: ParsedRequest, results: list[RequestResult], tok: Tokeniz
                       if r.logprobs is not None else None,
                       "finish_reason": _finish(r.finish_reason),
                       "stop_reason": r.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = r.token_ids
         choices.append(choice)
     body["choices"] = choices
+    if req.return_token_ids:
+        body["prompt_token_ids"] = req.prompts if len(req.prompts) > 1 else req.prompts[0]
     body["usage"] = usage(results)
     return body
 
@@ -124,7 +128,8 @@ class ChunkWriter:
         return None
 
     def delta(self, index: int, d: Delta) -> bytes | None:
-        if not d.text and d.finish_reason is None and d.logprobs is None:
+        if (not d.text and d.finish_reason is None and d.logprobs is None
+                and not (self.req.return_token_ids and d.token_ids)):
             return None
         if self.req.kind == "chat":
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
@@ -140,6 +145,8 @@ class ChunkWriter:
                       "finish_reason": _finish(d.finish_reason)}
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
+        if self.req.return_token_ids:
+            choice["token_ids"] = d.token_ids
         return self._chunk(choice)
 
     def usage_chunk(self, results: list[RequestResult]) -> bytes:

@@ -8,7 +8,7 @@ and the nodes cannot disagree on what is valid.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -38,7 +38,8 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
-    extra: dict = field(default_factory=dict)
+    # vLLM's extension: token ids in the response (choices[].token_ids, prompt_token_ids)
+    return_token_ids: bool = False
 
 
 def new_request_id() -> str:
@@ -168,7 +169,14 @@ def parse_completion(body: object, info: ModelInfo, tok: Tokenizer,
     return ParsedRequest("completion", request_id or new_request_id(), model, prompts, texts,
                          [params] * len(prompts), stream=body.get("stream", False),
                          include_usage=bool(body.get("stream_options", {}).get("include_usage")),
-                         echo=echo)
+                         echo=echo, return_token_ids=_flag(body, "return_token_ids"))
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{key} must be a boolean, got {value!r}", key)
+    return value
 
 
 def _message_text(content, index: int) -> str:
@@ -231,4 +239,5 @@ def parse_chat(body: object, info: ModelInfo, tok: Tokenizer,
     params = build_sampling(body, max_tokens, logprobs)
     return ParsedRequest("chat", request_id or new_request_id(), model, [ids], [text],
                          [params], stream=body.get("stream", False),
-                         include_usage=bool(body.get("stream_options", {}).get("include_usage")))
+                         include_usage=bool(body.get("stream_options", {}).get("include_usage")),
+                         return_token_ids=_flag(body, "return_token_ids"))

@@ -85,7 +85,9 @@ class Router:
         from router.discovery_feed import follow
         from router.grpc_server import GrpcFront
 
-        await self.registry.start()
+        start = getattr(self.registry, "start", None)     # optional in the interface
+        if start is not None:
+            await start()
         self._feed = asyncio.create_task(follow(self.registry, self.pool))
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0)
         await self._runner.setup()

@@ -153,6 +153,21 @@ def test_chat_whole_and_streamed(model_dir, tok):
     assert events[-1] == "[DONE]"
 
 
+def test_return_token_ids_whole_and_streamed(model_dir, tok):
+    backend = ScriptedBackend(TOKENS)
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 12, "return_token_ids": True}
+
+    async def go(http):
+        _, raw = await _post(http, "/v1/completions", body)
+        _, events = await _sse(http, "/v1/completions", dict(body, stream=True))
+        return json.loads(raw), events
+
+    whole, events = _serve(model_dir, backend, go)
+    assert whole["choices"][0]["token_ids"] == TOKENS
+    assert whole["prompt_token_ids"] == tok.encode("Hi")
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == TOKENS
+
+
 def test_batch_prompt_gives_one_choice_per_prompt(model_dir, tok):
     backend = ScriptedBackend(TOKENS[:3])
 

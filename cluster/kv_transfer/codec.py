@@ -1,0 +1,38 @@
+"""Tensors <-> raw bytes and the chunking of one layer's K/V into KvChunk messages."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from protos import node_pb2
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a host tensor (any dtype, bf16 included)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    with warnings.catch_warnings():       # read-only buffer: we never write through it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
+def layer_chunks(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
+                 dtype: str, max_bytes: int) -> list[node_pb2.KvChunk]:
+    """K then V of one layer, each split into runs of whole blocks of <= max_bytes."""
+    per_block = math.prod(k.shape[1:]) * k.element_size()
+    step = max(1, max_bytes // per_block)
+    chunks = []
+    for kind, t in ((node_pb2.KV_KIND_KEY, k), (node_pb2.KV_KIND_VALUE, v)):
+        for i in range(0, len(dst_block_ids), step):
+            part = t[i:i + step]
+            chunks.append(node_pb2.KvChunk(layer=layer, kind=kind,
+                                           block_ids=dst_block_ids[i:i + step],
+                                           shape=list(part.shape), dtype=dtype,
+                                           data=tensor_bytes(part)))
+    return chunks

@@ -1,0 +1,46 @@
+"""Default transport: gRPC client-streaming of raw KV bytes (DecodeNode.PushKv)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster.kv_transfer.base import GRPC_OPTIONS, KvTransport, PushFailed
+from protos import node_pb2, node_pb2_grpc
+
+log = logging.getLogger("cluster.kv_transfer")
+
+
+class GrpcTransport(KvTransport):
+    def __init__(self, timeout: float = 120.0):
+        self.timeout = timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> node_pb2_grpc.DecodeNodeStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, GRPC_OPTIONS)
+        return node_pb2_grpc.DecodeNodeStub(channel)
+
+    async def push(self, address: str,
+                   messages: AsyncIterator[node_pb2.KvPushMessage]) -> node_pb2.PushAck:
+        try:
+            return await self._stub(address).PushKv(messages, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise PushFailed(exc.code(), exc.details() or str(exc.code())) from None
+
+    async def abort_reservation(self, address: str, request: node_pb2.AbortRequest) -> bool:
+        try:
+            reply = await self._stub(address).AbortReservation(request, timeout=5.0)
+            return reply.found
+        except grpc.aio.AioRpcError as exc:
+            log.warning("request %s: abort notice to %s failed: %s", request.request_id,
+                        address, exc.code().name)
+            return False
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,81 @@
+"""The prefill side of a push: engine-thread callbacks (engine.pd_prefill.KvSink) become
+an async stream of KvPushMessage: the header, each layer's K/V chunks as soon as the layer
+is written, then `done` with the first sampled token."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import torch
+
+from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES
+from cluster.kv_transfer.codec import layer_chunks
+from cluster.proto_convert import logprob_to_proto
+from protos import node_pb2
+
+
+class PushSender:
+    """One request's push. The on_* methods run on the engine thread and only enqueue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, header: node_pb2.PushHeader,
+                 dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.loop = loop
+        self.header = header
+        self.dtype = dtype
+        self.chunk_bytes = chunk_bytes
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.first_token: int | None = None
+        self.first_logprob: dict[int, float] | None = None
+        self.error: BaseException | None = None
+        self.num_chunks = 0
+        self.num_bytes = 0
+        self.blocks_pushed: set[int] = set()
+        self.token_ready = asyncio.Event()
+
+    # ---- engine thread (KvSink) ----------------------------------------------------
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def on_layer(self, layer: int, dst_block_ids: list[int], k: torch.Tensor,
+                 v: torch.Tensor, ready: object | None) -> None:
+        self._put(("layer", layer, dst_block_ids, k, v, ready))
+
+    def on_first_token(self, token_id: int, logprob: dict[int, float] | None) -> None:
+        self._put(("done", token_id, logprob))
+
+    def on_error(self, exc: BaseException) -> None:
+        self._put(("error", exc))
+
+    def cancel(self, exc: BaseException) -> None:
+        """From the event loop: end the stream without `done` (the receiver then refuses)."""
+        self._queue.put_nowait(("error", exc))
+
+    # ---- event loop ----------------------------------------------------------------
+    async def messages(self) -> AsyncIterator[node_pb2.KvPushMessage]:
+        yield node_pb2.KvPushMessage(header=self.header)
+        while True:
+            item = await self._queue.get()
+            kind = item[0]
+            if kind == "layer":
+                _, layer, dst, k, v, ready = item
+                if ready is not None:
+                    await asyncio.to_thread(ready.synchronize)
+                for chunk in layer_chunks(layer, dst, k, v, self.dtype, self.chunk_bytes):
+                    self.num_chunks += 1
+                    self.num_bytes += len(chunk.data)
+                    yield node_pb2.KvPushMessage(chunk=chunk)
+                self.blocks_pushed.update(dst)
+            elif kind == "done":
+                _, token, entry = item
+                self.first_token, self.first_logprob = token, entry
+                done = node_pb2.PushDone(first_token_id=token, num_chunks=self.num_chunks)
+                if entry is not None:
+                    done.first_logprob.CopyFrom(logprob_to_proto(token, entry))
+                self.token_ready.set()
+                yield node_pb2.KvPushMessage(done=done)
+                return
+            else:
+                self.error = item[1]
+                self.token_ready.set()
+                return

@@ -1,0 +1,93 @@
+"""`pdserve prefill|decode`: build the node, serve gRPC, register, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from cluster.cli_common import CliError
+
+log = logging.getLogger("cluster.node")
+
+
+def build_node(role: str, args: argparse.Namespace, node_id: str):
+    from cluster.commands.node_options import engine_config_from_args
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        if role == "decode":
+            from decode_node.node import DecodeNode
+            return DecodeNode(config, node_id=node_id)
+        from cluster.kv_transfer.grpc_transport import GrpcTransport
+        from prefill_node.node import PrefillNode
+        return PrefillNode(config, GrpcTransport(), node_id=node_id)
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(f"cannot load the model: {exc}") from None
+
+
+def make_registry(args: argparse.Namespace):
+    if str(args.etcd).strip().lower() in ("", "none", "off"):
+        return None
+    from cluster.discovery import EtcdRegistry
+    try:
+        return EtcdRegistry(args.etcd, args.cluster, ttl=args.lease_ttl)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
+    from cluster.discovery import NodeRecord, new_incarnation
+    from cluster.node_server import (
+        GrpcNodeServer,
+        Presence,
+        advertised,
+        drain,
+        install_stop_signals,
+        write_ready_file,
+    )
+    from cluster.proto_convert import fingerprint_to_proto  # noqa: F401 - fail early if broken
+
+    registry = make_registry(args)
+    server = GrpcNodeServer(node.SERVICE, args.listen)
+    server.add(node.add_to_server, node.service)
+    try:
+        port = await server.start()
+    except OSError as exc:
+        raise CliError(str(exc)) from None
+    node.start()
+    address = advertised(args.listen, port, args.advertise)
+    record = NodeRecord(node_id=node_id, role=role, address=address,
+                        incarnation=new_incarnation(), model_id=node.service.model_id,
+                        max_model_len=node.engine.max_model_len,
+                        fingerprint=node.fingerprint.as_dict())
+    presence = Presence(registry, record, node.load, args.load_interval)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    await server.set_serving(True)
+    await presence.start(wait_s=float(args.lease_ttl))
+    write_ready_file(args.ready_file, address)
+    log.info("%s node %s serving on %s (advertised %s), cluster %r, etcd %s", role, node_id,
+             args.listen, address, args.cluster, args.etcd)
+    await stop.wait()
+
+    log.info("%s node %s: SIGTERM, draining", role, node_id)
+    node.service.draining = True
+    await server.set_serving(False)
+    await presence.stop()
+    await drain(lambda: node.service.in_flight, args.drain_timeout, f"{role} node {node_id}")
+    await server.stop(grace=1.0)
+    await node.stop()
+    log.info("%s node %s stopped", role, node_id)
+    return 0
+
+
+def run_node(role: str, args: argparse.Namespace) -> int:
+    from cluster.node_server import default_node_id
+
+    node_id = args.node_id or default_node_id(role)
+    node = build_node(role, args, node_id)
+    return asyncio.run(serve(role, node, args, node_id))

@@ -1,0 +1,1 @@
+"""Decode node of PD PUSH mode: reservations, KV receive, the decode loop, token streams."""

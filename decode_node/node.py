@@ -1,0 +1,62 @@
+"""A decode node's parts, wired: engine + KvReceiver + token streams + engine loop + service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.discovery import NodeLoad
+from cluster.engine_loop import EngineLoop
+from decode_node.service import DecodeService
+from decode_node.streams import StreamTable
+from engine.config import EngineConfig
+from engine.engine_core import LLMEngine
+from engine.output_processor import OutputProcessor
+from engine.pd_decode import KvReceiver
+from engine.pd_fingerprint import engine_fingerprint
+from protos import node_pb2_grpc
+
+MAX_PUBLISHED_HASHES = 4096
+
+
+def load_tokenizer(engine: LLMEngine):
+    """The model folder's tokenizer (None without tokenizer.json); EOS as the LLM sets it."""
+    if not (Path(engine.config.model) / "tokenizer.json").is_file():
+        return None
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer(engine.config.model)
+    if tok.eos_token_id is not None and not engine.eos_token_ids:
+        engine.eos_token_ids = frozenset([tok.eos_token_id])
+    return tok
+
+
+class DecodeNode:
+    SERVICE = "pdserve.v1.DecodeNode"
+    add_to_server = staticmethod(node_pb2_grpc.add_DecodeNodeServicer_to_server)
+
+    def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0):
+        self.engine = LLMEngine(config)
+        self.tokenizer = load_tokenizer(self.engine)
+        self.fingerprint = engine_fingerprint(self.engine)
+        self.receiver = KvReceiver(self.engine, lease_s)
+        self.streams = StreamTable(self.engine, OutputProcessor(self.tokenizer))
+        self.loop = EngineLoop(self.engine, self.receiver.lock, on_step=self.streams.emit_all,
+                               after_step=self.streams.reap, name="decode")
+        self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
+                                     self.loop.wake, node_id=node_id,
+                                     model_id=Path(config.model).name)
+
+    def start(self) -> None:
+        """Call from the event loop that serves the service."""
+        self.loop.start()
+        self.service.start()
+
+    async def stop(self) -> None:
+        await self.service.stop()
+        self.loop.stop()
+
+    def load(self) -> NodeLoad:
+        eng, bm = self.engine, self.engine.block_manager
+        return NodeLoad(running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
+                        free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks - 1,
+                        reserved=len(self.receiver.reservations),
+                        block_hashes=tuple(bm.cached_block_hashes()[:MAX_PUBLISHED_HASHES]))

@@ -1,0 +1,147 @@
+"""PrefillNode gRPC service (grpc.aio): Prefill with the layer-wise KV push, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport, PushFailed
+from cluster.kv_transfer.sender import PushSender
+from cluster.proto_convert import (
+    fingerprint_from_proto,
+    fingerprint_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from engine.pd_fingerprint import Fingerprint
+from engine.pd_prefill import PdPrefillEngine
+from protos import node_pb2, node_pb2_grpc
+
+log = logging.getLogger("prefill_node")
+
+
+class PrefillService(node_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, engine: PdPrefillEngine, lock, wake, transport: KvTransport,
+                 fingerprint: Fingerprint, node_id: str = "prefill", model_id: str = "",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.engine = engine
+        self.lock = lock
+        self.wake = wake
+        self.transport = transport
+        self.fingerprint = fingerprint
+        self.node_id = node_id
+        self.model_id = model_id
+        self.chunk_bytes = chunk_bytes
+        self.draining = False
+        self.inflight: dict[str, PushSender] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.inflight)
+
+    async def Prefill(self, request: node_pb2.PrefillRequest, context):
+        rid = request.request_id
+        invalid = self._invalid(request)
+        if invalid:
+            await self._notify_decode(request, invalid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid)
+        if self.draining:
+            await self._notify_decode(request, "prefill node is draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node is draining")
+        diff = self.fingerprint.mismatches(fingerprint_from_proto(request.decode_fingerprint))
+        if diff:
+            msg = "KV fingerprint mismatch (prefill node vs decode node): " + "; ".join(diff)
+            await self._notify_decode(request, msg)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await self._notify_decode(request, f"bad sampling params: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+
+        skip = request.num_cached_blocks
+        header = node_pb2.PushHeader(request_id=rid, reservation_id=request.reservation_id,
+                                     fingerprint=fingerprint_to_proto(self.fingerprint),
+                                     block_ids=list(request.block_ids)[skip:])
+        sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
+                            self.chunk_bytes)
+
+        def add():
+            with self.lock:
+                return self.engine.add_push_request(rid, list(request.prompt_token_ids), params,
+                                                    list(request.block_ids), skip, sender)
+        try:
+            seq = await asyncio.to_thread(add)
+        except ValueError as exc:
+            await self._notify_decode(request, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.inflight[rid] = sender
+        self.wake()
+        try:
+            await self.transport.push(request.decode_address, sender.messages())
+        except PushFailed as exc:
+            await asyncio.to_thread(self._abort_engine, rid)
+            if sender.error is not None:
+                msg = f"prefill failed: {sender.error}"
+                await self._notify_decode(request, msg)
+                await context.abort(grpc.StatusCode.INTERNAL, msg)
+            await self._notify_decode(request, f"push refused: {exc.message}")
+            await context.abort(exc.code, f"decode node {request.decode_address} refused the KV "
+                                          f"push of request {rid}: {exc.message}")
+        except asyncio.CancelledError:       # the router went away
+            await asyncio.to_thread(self._abort_engine, rid)
+            await self._notify_decode(request, "prefill cancelled by its caller")
+            raise
+        finally:
+            self.inflight.pop(rid, None)
+        reply = node_pb2.PrefillReply(first_token_id=sender.first_token,
+                                      num_pushed_blocks=len(sender.blocks_pushed),
+                                      pushed_bytes=sender.num_bytes,
+                                      prefix_cached_tokens=seq.num_prefix_hit_tokens)
+        if sender.first_logprob is not None:
+            reply.first_logprob.CopyFrom(logprob_to_proto(sender.first_token,
+                                                          sender.first_logprob))
+        log.info("request %s: prefilled %d tokens, pushed %d blocks (%.1f MB) to %s",
+                 rid, len(request.prompt_token_ids), len(sender.blocks_pushed),
+                 sender.num_bytes / 1e6, request.decode_address)
+        return reply
+
+    @staticmethod
+    def _invalid(request: node_pb2.PrefillRequest) -> str | None:
+        missing = [name for name in ("request_id", "decode_address", "reservation_id")
+                   if not getattr(request, name)]
+        if missing:
+            return f"missing field(s): {', '.join(missing)}"
+        if not request.prompt_token_ids:
+            return "prompt_token_ids is empty: at least one token is required"
+        if not request.HasField("decode_fingerprint"):
+            return "missing field: decode_fingerprint (the Reservation's fingerprint)"
+        if request.num_cached_blocks > len(request.block_ids):
+            return (f"num_cached_blocks {request.num_cached_blocks} exceeds the "
+                    f"{len(request.block_ids)} block ids")
+        return None
+
+    def _abort_engine(self, request_id: str) -> None:
+        with self.lock:
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+
+    async def _notify_decode(self, request: node_pb2.PrefillRequest, reason: str) -> None:
+        if request.decode_address and request.reservation_id:
+            await self.transport.abort_reservation(request.decode_address, node_pb2.AbortRequest(
+                request_id=request.request_id, reservation_id=request.reservation_id,
+                reason=reason))
+
+    async def AbortPrefill(self, request: node_pb2.AbortRequest, context):
+        sender = self.inflight.get(request.request_id)
+        if sender is not None:
+            await asyncio.to_thread(self._abort_engine, request.request_id)
+            sender.cancel(RuntimeError(f"aborted: {request.reason}"))
+        return node_pb2.AbortReply(found=sender is not None)
+
+    async def GetNodeInfo(self, request, context):
+        return node_pb2.NodeInfo(node_id=self.node_id, role="prefill", model_id=self.model_id,
+                                 max_model_len=self.engine.max_model_len,
+                                 fingerprint=fingerprint_to_proto(self.fingerprint))

@@ -1,0 +1,91 @@
+"""In-process PD pair for unit tests: a prefill node and a decode node wired by the fake
+in-process transport, their gRPC service methods called directly with a stand-in for the
+grpc.aio servicer context (the only thing replaced: the gRPC runtime itself)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from cluster.kv_transfer.inproc import InProcessTransport
+from cluster.proto_convert import FINISH_NAMES, sampling_to_proto
+from decode_node.node import DecodeNode
+from engine.config import EngineConfig
+from prefill_node.node import PrefillNode
+from protos import node_pb2
+
+DECODE_ADDRESS = "decode-0"
+
+
+class RpcError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class FakeContext:
+    """What the services use of grpc.aio.ServicerContext: abort()."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = ""):
+        raise RpcError(code, details)
+
+
+class PdPair:
+    def __init__(self, folder, prefill_opts: dict, decode_opts: dict, lease_s: float = 30.0):
+        self.transport = InProcessTransport()
+        self.prefill = PrefillNode(EngineConfig(model=str(folder), **prefill_opts),
+                                   self.transport, chunk_bytes=1024)
+        self.decode = DecodeNode(EngineConfig(model=str(folder), **decode_opts), lease_s=lease_s)
+        svc = self.decode.service
+        self.transport.attach(DECODE_ADDRESS, svc.push_handler,
+                              on_abort=lambda req: svc.AbortReservation(req, FakeContext()))
+
+    def start(self) -> None:
+        self.prefill.start()
+        self.decode.start()
+
+    async def stop(self) -> None:
+        await self.prefill.stop()
+        await self.decode.stop()
+
+    def free_blocks(self) -> tuple[int, int]:
+        return (self.prefill.engine.block_manager.num_free_blocks,
+                self.decode.engine.block_manager.num_free_blocks)
+
+    async def generate(self, rid: str, prompt: list[int], params, lease_ms: int = 0,
+                       prefill_tamper=None):
+        """Decode stream + prefill, as a router does. Returns (tokens, logprob entries,
+        finish reason); raises RpcError from either side."""
+        stream = self.decode.service.Decode(node_pb2.ReserveRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+            lease_ms=lease_ms), FakeContext())
+        first = await anext(stream)
+        res = first.reservation
+        req = node_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
+            decode_address=DECODE_ADDRESS, reservation_id=res.reservation_id,
+            block_ids=res.block_ids, num_cached_blocks=res.num_cached_blocks,
+            decode_fingerprint=res.fingerprint)
+        if prefill_tamper is not None:
+            prefill_tamper(req)
+        prefill = asyncio.ensure_future(self.prefill.service.Prefill(req, FakeContext()))
+        tokens, logprobs, finish = [], [], None
+        stream_error = prefill_error = None
+        try:
+            async for ev in stream:
+                tokens += ev.tokens.token_ids
+                logprobs += [{t.token_id: t.logprob for t in lp.top} | {lp.token_id: lp.logprob}
+                             for lp in ev.tokens.logprobs]
+                if ev.tokens.finish_reason:
+                    finish = FINISH_NAMES[ev.tokens.finish_reason]
+        except RpcError as exc:
+            stream_error = exc
+        try:
+            await prefill
+        except RpcError as exc:
+            prefill_error = exc
+        # the prefill's error is the cause; the decode stream's ABORTED its consequence
+        if prefill_error is not None or stream_error is not None:
+            raise prefill_error or stream_error
+        return tokens, logprobs, finish

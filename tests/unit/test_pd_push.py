@@ -1,0 +1,154 @@
+"""PD PUSH through the real node services, in one process: the fake in-process transport
+carries the same messages the gRPC one does. Greedy tokens and logprobs equal the
+single-node LLM's; failures end waits at once; block pools return to their start."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cluster.kv_transfer.base import PushFailed
+from cluster.proto_convert import fingerprint_to_proto
+from engine import LLM, SamplingParams
+from protos import node_pb2
+from tests.tiny_models import make_tiny_model, random_prompts
+from tests.unit.pd_harness import DECODE_ADDRESS, FakeContext, PdPair, RpcError
+
+OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model("qwen3-qknorm-hd24", tmp_path_factory.mktemp("models"))[0]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_pair(folder, body, prefill_opts=None, decode_opts=None, lease_s=30.0):
+    pair = PdPair(folder, prefill_opts or OPTS, decode_opts or OPTS, lease_s)
+    pair.start()
+    start = pair.free_blocks()
+    try:
+        await body(pair)
+    finally:
+        await pair.stop()
+    assert pair.free_blocks() == start, "block pools must return to their starting counts"
+    assert not pair.decode.receiver.reservations
+
+
+def test_pd_greedy_equals_single_node_llm(folder):
+    prompts = random_prompts(6, [1, 4, 5, 9, 17, 33], 320, seed=3)
+    prompts.append(prompts[4][:12] + [7, 8, 9])       # shares a prefix: decode cache hit
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    ref = LLM(folder, **OPTS).generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    async def body(pair):
+        outs = await asyncio.gather(*[pair.generate(f"r{i}", p, params)
+                                      for i, p in enumerate(prompts[:-1])])
+        outs.append(await pair.generate("last", prompts[-1], params))
+        for i, ((tokens, lps, finish), want) in enumerate(zip(outs, ref, strict=True)):
+            w = want.outputs[0]
+            assert tokens == w.token_ids, f"prompt {i}: PD {tokens} != LLM {w.token_ids}"
+            assert finish == w.finish_reason
+            assert [e[t] for e, t in zip(lps, tokens, strict=True)] == pytest.approx(
+                [e[t] for e, t in zip(w.logprobs, w.token_ids, strict=True)], abs=1e-6)
+    run(_with_pair(folder, body))
+
+
+def test_fingerprint_mismatch_is_refused_naming_the_field(folder):
+    async def body(pair):
+        with pytest.raises(RpcError) as info:
+            await pair.generate("r", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0))
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block_size: 4 here, 8 there" in info.value.details
+        assert pair.transport.aborts, "the decode node is told, its reservation released"
+    run(_with_pair(folder, body, decode_opts={**OPTS, "block_size": 8}))
+
+
+def test_push_header_with_wrong_fingerprint_writes_nothing(folder):
+    async def body(pair):
+        svc = pair.decode.service
+        res = await asyncio.to_thread(pair.decode.receiver.reserve, "r", [5, 6, 7, 8, 9],
+                                      SamplingParams())
+        fp = fingerprint_to_proto(pair.decode.fingerprint)
+        fp.dtype = "bfloat16"
+
+        async def messages():
+            yield node_pb2.KvPushMessage(header=node_pb2.PushHeader(
+                request_id="r", reservation_id=res.reservation_id, fingerprint=fp,
+                block_ids=res.push_block_ids))
+        with pytest.raises(PushFailed) as info:
+            await svc.push_handler.handle(messages())
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "dtype: 'float32' here, 'bfloat16' there" in info.value.message
+        assert res.chunks_received == 0 and not pair.decode.receiver.reservations
+    run(_with_pair(folder, body))
+
+
+def test_decode_full_is_resource_exhausted(folder):
+    async def body(pair):
+        hold = pair.decode.service.Decode(node_pb2.ReserveRequest(
+            request_id="hold", prompt_token_ids=[5, 6, 7]), FakeContext())
+        await anext(hold)                                   # holds the only seat
+        with pytest.raises(RpcError) as info:
+            await pair.generate("r", [5, 6, 7], SamplingParams(temperature=0.0))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        await hold.aclose()                                 # the caller goes away
+    run(_with_pair(folder, body, decode_opts={**OPTS, "max_num_seqs": 1}))
+
+
+def test_failed_prefill_releases_the_reservation_at_once(folder):
+    def tamper(req):
+        del req.block_ids[-1]                               # wrong block count
+
+    async def body(pair):
+        with pytest.raises(RpcError) as info:
+            await asyncio.wait_for(pair.generate("r", list(range(3, 20)),
+                                                 SamplingParams(temperature=0.0),
+                                                 prefill_tamper=tamper), 10)
+        # the decode stream ended with ABORTED naming the prefill's error, long before
+        # any lease (30 s) could have
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "destination block ids" in info.value.details
+    run(_with_pair(folder, body))
+
+
+def test_broken_push_is_ended_by_the_lease(folder):
+    async def body(pair):
+        svc = pair.decode.service
+        stream = svc.Decode(node_pb2.ReserveRequest(
+            request_id="r", prompt_token_ids=list(range(3, 20)), lease_ms=300), FakeContext())
+        res = (await anext(stream)).reservation
+        stalled = asyncio.Event()
+
+        async def messages():                               # a prefill that dies mid-push
+            yield node_pb2.KvPushMessage(header=node_pb2.PushHeader(
+                request_id="r", reservation_id=res.reservation_id,
+                fingerprint=res.fingerprint, block_ids=res.block_ids))
+            stalled.set()
+            await asyncio.Event().wait()
+        push = asyncio.ensure_future(pair.transport.push(DECODE_ADDRESS, messages()))
+        await stalled.wait()
+        assert pair.decode.engine.block_manager.num_free_blocks < 95
+        with pytest.raises(RpcError) as info:
+            await asyncio.wait_for(anext(stream), 5)
+        assert info.value.code == grpc.StatusCode.ABORTED and "lease expired" in info.value.details
+        push.cancel()
+        await asyncio.gather(push, return_exceptions=True)
+    run(_with_pair(folder, body))
+
+
+def test_unknown_reservation_push_is_not_found(folder):
+    async def body(pair):
+        async def messages():
+            yield node_pb2.KvPushMessage(header=node_pb2.PushHeader(
+                request_id="r", reservation_id="nope",
+                fingerprint=fingerprint_to_proto(pair.decode.fingerprint)))
+        with pytest.raises(PushFailed) as info:
+            await pair.transport.push(DECODE_ADDRESS, messages())
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and "nope" in info.value.message
+    run(_with_pair(folder, body))

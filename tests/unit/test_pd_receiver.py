@@ -1,0 +1,166 @@
+"""Decode-side reservations (engine.pd_decode.KvReceiver): exact block accounting, strict
+validation that writes nothing on a bad chunk, admission only when complete, leases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.engine_core import LLMEngine
+from engine.pd_decode import KEY, VALUE, CapacityError, KvReceiver, PushRejected, UnknownReservation
+from tests.tiny_models import make_tiny_model
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model("llama-tied-gqa", tmp_path_factory.mktemp("models"))[0]
+
+
+@pytest.fixture
+def rx(folder):
+    eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=BS,
+                                 num_gpu_blocks=32, max_num_seqs=3))
+    return KvReceiver(eng, default_lease_s=30.0)
+
+
+def _greedy(n=4):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def _chunk(rx: KvReceiver, n_blocks: int, fill: float = 1.0) -> torch.Tensor:
+    shape = (n_blocks, *rx.engine.kv_cache.k[0].shape[1:])
+    return torch.full(shape, fill, dtype=torch.float32)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _fill_all(rx: KvReceiver, rid: str, fill: float = 1.0) -> None:
+    res = rx.get(rid)
+    ids = res.push_block_ids
+    for layer in range(len(rx.engine.kv_cache.k)):
+        for kind in (KEY, VALUE):
+            t = _chunk(rx, len(ids), fill)
+            rx.write(rid, layer, kind, ids, list(t.shape), "float32", _bytes(t))
+
+
+def _snapshot(rx: KvReceiver) -> list[torch.Tensor]:
+    kv = rx.engine.kv_cache
+    return [t.clone() for t in kv.k + kv.v]
+
+
+def test_reserve_gives_blocks_for_the_prompt_and_skips_cached_prefix(rx):
+    bm = rx.engine.block_manager
+    free0 = bm.num_free_blocks
+    prompt = list(range(10, 19))                       # 9 tokens -> 3 blocks of 4
+    res = rx.reserve("a", prompt, _greedy())
+    assert len(res.block_ids) == 3 and res.num_cached_blocks == 0
+    assert bm.num_free_blocks == free0 - 3
+    _fill_all(rx, res.reservation_id)
+    seq = rx.complete(res.reservation_id, 7)
+    assert seq.output_token_ids == [7] and seq in rx.engine.scheduler.running
+    assert seq.num_cached_tokens == 9
+    while rx.engine.has_unfinished():
+        rx.engine.step()
+    rx.engine.release("a")
+    assert bm.num_free_blocks == free0
+    # the same 8-token prefix is now in this node's prefix cache: 2 blocks are skipped
+    res2 = rx.reserve("b", prompt[:8] + [99, 98], _greedy())
+    assert res2.num_cached_blocks == 2 and len(res2.block_ids) == 3
+    assert res2.push_block_ids == res2.block_ids[2:]
+    rx.release(res2.reservation_id, "test")
+    assert bm.num_free_blocks == free0
+
+
+@pytest.mark.parametrize("bad", ["unknown", "layer", "kind", "dtype", "shape", "bytes",
+                                 "stray_block", "duplicate_block"])
+def test_bad_chunk_is_refused_and_writes_nothing(rx, bad):
+    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    ids = res.push_block_ids
+    t = _chunk(rx, len(ids), 5.0)
+    args = dict(reservation_id=res.reservation_id, layer=0, kind=KEY, block_ids=ids,
+                shape=list(t.shape), dtype="float32", data=_bytes(t))
+    if bad == "unknown":
+        args["reservation_id"] = "nope"
+    elif bad == "layer":
+        args["layer"] = 99
+    elif bad == "kind":
+        args["kind"] = 2
+    elif bad == "dtype":
+        args["dtype"] = "bfloat16"
+    elif bad == "shape":
+        args["shape"] = [len(ids), 1, 1, 1]
+    elif bad == "bytes":
+        args["data"] = args["data"][:-4]
+    elif bad == "stray_block":
+        args["block_ids"] = ids[:-1] + [31]
+    elif bad == "duplicate_block":
+        args["block_ids"] = [ids[0]] * len(ids)
+    before = _snapshot(rx)
+    err = UnknownReservation if bad == "unknown" else PushRejected
+    with pytest.raises(err) as info:
+        rx.write(**args)
+    assert str(info.value)       # a message that names the problem
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(rx), strict=True))
+
+
+def test_incomplete_push_is_refused_and_releases_blocks(rx):
+    bm = rx.engine.block_manager
+    free0 = bm.num_free_blocks
+    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    ids = res.push_block_ids
+    t = _chunk(rx, len(ids))
+    rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
+    with pytest.raises(PushRejected, match="incomplete: missing layer 0 V"):
+        rx.complete(res.reservation_id, 7)
+    assert bm.num_free_blocks == free0 and not rx.reservations
+    assert "a" not in rx.engine.requests
+
+
+def test_written_bytes_land_in_the_reserved_blocks(rx):
+    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    ids = res.push_block_ids
+    t = torch.randn(len(ids), *rx.engine.kv_cache.k[1].shape[1:])
+    rx.write(res.reservation_id, 1, VALUE, ids, list(t.shape), "float32", _bytes(t))
+    assert torch.equal(rx.engine.kv_cache.v[1][ids], t)
+
+
+def test_lease_expiry_returns_blocks(rx):
+    bm = rx.engine.block_manager
+    free0 = bm.num_free_blocks
+    res = rx.reserve("a", list(range(10, 30)), _greedy(), lease_s=5.0)
+    assert rx.expire(now=res.deadline - 1.0) == []
+    assert bm.num_free_blocks == free0 - 5
+    assert [r.request_id for r in rx.expire(now=res.deadline + 0.01)] == ["a"]
+    assert bm.num_free_blocks == free0 and not rx.reservations
+    with pytest.raises(UnknownReservation):
+        rx.complete(res.reservation_id, 7)
+
+
+def test_full_and_too_long_are_refused(rx):
+    for i in range(3):
+        rx.reserve(f"r{i}", [5, 6, 7], _greedy())
+    with pytest.raises(CapacityError, match="full"):
+        rx.reserve("r3", [5, 6, 7], _greedy())
+    for res in list(rx.reservations.values()):
+        rx.release(res.reservation_id, "test")
+    with pytest.raises(ValueError, match="needs 40 KV blocks"):
+        rx.reserve("long", list(range(3, 163)), _greedy())
+    with pytest.raises(ValueError, match="empty"):
+        rx.reserve("empty", [], _greedy())
+    assert rx.engine.block_manager.num_free_blocks == 31
+
+
+def test_first_token_that_stops_finishes_at_admission(rx):
+    bm = rx.engine.block_manager
+    free0 = bm.num_free_blocks
+    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    _fill_all(rx, res.reservation_id)
+    seq = rx.complete(res.reservation_id, 2)          # 2 is the tiny model's EOS
+    assert seq.is_finished and seq.finish_reason == "stop"
+    assert bm.num_free_blocks == free0
