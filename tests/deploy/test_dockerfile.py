@@ -100,5 +100,5 @@ def test_dockerignore_keeps_what_pip_install_needs(pyproject):
     for path in needed:
         assert not any(fnmatch.fnmatch(path, p) for p in patterns), f"{path} is ignored"
     for pkg in packages:
-        assert (REPO / pkg).is_dir() or pkg in ("prefill_node", "decode_node"), pkg
+        assert (REPO / pkg).is_dir(), pkg
     assert ".git" in patterns and ".venv" in patterns
