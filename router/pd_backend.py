@@ -172,6 +172,7 @@ class PdBackend:
         pre.inflight += 1
         dec.inflight += 1
         prefill_open = True
+        prefill_cached = 0
         log.info("[%s] prefill %s -> decode %s (%d prompt tokens)", rid, pre.node_id,
                  dec.node_id, len(prompt))
         try:
@@ -183,6 +184,7 @@ class PdBackend:
                     prefill_open = False
                     pre.inflight -= 1
                     _check_prefill(prefill, pre, dec)
+                    prefill_cached = prefill.result().prefix_cached_tokens
                 if read not in done:
                     continue
                 event = _decode_result(read, dec, prefill, pre)
@@ -202,12 +204,13 @@ class PdBackend:
                 if finish == "abort":
                     raise _TryOther(dec.node_id, grpc.StatusCode.ABORTED,
                                     t.stop_reason or "the decode node aborted the request")
-                cached = t.usage.cached_prompt_tokens if t.HasField("usage") else 0
+                cached = max(prefill_cached,
+                             t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
                 yield StepOutput(
                     list(t.token_ids),
                     logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
                     finish_reason=finish,
-                    stop_reason=(t.stop_reason or None) if finish else None,
+                    stop_reason=_stop_reason(t.stop_reason, params) if finish else None,
                     num_cached_tokens=cached if first_attempt else 0,
                     meta={"prefill": pre.node_id, "decode": dec.node_id})
                 if finish is not None:
@@ -224,6 +227,15 @@ class PdBackend:
                 if fut is not None:
                     with contextlib.suppress(BaseException):
                         await fut
+
+
+def _stop_reason(value: str, params: SamplingParams) -> int | str | None:
+    """The wire carries a string; a stop token id goes back to an int (as LLM gives it)."""
+    if not value:
+        return None
+    if value not in params.stop and value.isdigit():
+        return int(value)
+    return value
 
 
 def _fields(p: SamplingParams) -> dict:

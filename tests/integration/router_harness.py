@@ -1,0 +1,163 @@
+"""Helpers for end-to-end tests through the router: a local cluster on a tiny model, the
+single-node reference, a mixed batch of requests over HTTP (whole and SSE) and gRPC, and
+readers of the router's /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import ClientSession
+
+from cluster.local_cluster import LocalCluster, LocalClusterConfig
+from router.client import AsyncGenerationClient
+from tests.tiny_models import make_tiny_model, random_prompts
+from tests.tiny_tokenizer import add_tiny_tokenizer
+
+MODEL = "qwen2-gqa4"            # the tiny model whose greedy output varies most
+LEASE_TTL = 2
+NUM_BLOCKS = 128
+NODE_ARGS = ["--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", str(NUM_BLOCKS),
+             "--load-interval", "0.2", "--drain-timeout", "30"]
+ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks=NUM_BLOCKS)
+
+
+def tiny_model_folder(root: Path) -> Path:
+    folder, _ = make_tiny_model(MODEL, root)
+    return add_tiny_tokenizer(folder)
+
+
+def start_cluster(folder: Path, run_dir: Path, prefill: int, decode: int) -> LocalCluster:
+    return LocalCluster(LocalClusterConfig(
+        model=str(folder), num_prefill=prefill, num_decode=decode, http_port=0, grpc_port=0,
+        cluster="it", policy="least-load", node_args=NODE_ARGS, lease_ttl=LEASE_TTL,
+        run_dir=run_dir)).start(timeout=180)
+
+
+@dataclass
+class Req:
+    """One request of the mixed batch. via: http | http-stream | grpc | grpc-stream."""
+    via: str
+    prompt: str | list[int] | None = None         # completions / gRPC
+    max_tokens: int = 12
+    messages: list[dict] | None = None            # chat (HTTP only)
+    stop: list[str] = field(default_factory=list)
+
+
+def mixed_batch(stop_for=None) -> list[Req]:
+    """Text and token-id prompts (some sharing a prefix, some longer than several blocks),
+    chat, whole and streamed, HTTP and gRPC. `stop_for(req)` may add a stop string."""
+    ids = random_prompts(4, [5, 17, 30, 9], 320, seed=7)
+    shared = ids[2][:16]
+    reqs = [
+        Req("http", "Hello world, this is a test", 12),
+        Req("http-stream", "The quick brown fox", 16),
+        Req("http", ids[0], 8),
+        Req("http-stream", ids[1], 20),
+        Req("grpc", ids[2], 10),
+        Req("grpc-stream", shared + ids[3], 14),          # shares 4 blocks with the one above
+        Req("http", messages=[{"role": "user", "content": "Say something."}], max_tokens=10),
+        Req("http-stream", messages=[{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Prefill and decode?"}],
+            max_tokens=12),
+    ]
+    if stop_for is not None:
+        reqs.append(stop_for())
+    return reqs
+
+
+def reference(llm, req: Req) -> tuple[list[int], str, str]:
+    """(token ids, text, finish reason) of the single-node LLM, greedy."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, stop=req.stop)
+    if req.messages is not None:
+        out = llm.chat(req.messages, params)[0].outputs[0]
+    elif isinstance(req.prompt, str):
+        out = llm.generate(req.prompt, params)[0].outputs[0]
+    else:
+        out = llm.generate({"prompt_token_ids": req.prompt}, params)[0].outputs[0]
+    return out.token_ids, out.text, out.finish_reason
+
+
+async def _http(http: ClientSession, base: str, model: str, req: Req):
+    stream = req.via == "http-stream"
+    body: dict = {"model": model, "max_tokens": req.max_tokens, "temperature": 0,
+                  "stream": stream, "return_token_ids": True}
+    if req.stop:
+        body["stop"] = req.stop
+    if req.messages is not None:
+        path, body["messages"] = "/v1/chat/completions", req.messages
+    else:
+        path, body["prompt"] = "/v1/completions", req.prompt
+    async with http.post(base + path, json=body) as resp:
+        if resp.status != 200:
+            raise AssertionError(f"{resp.status}: {await resp.text()}")
+        if not stream:
+            choice = (await resp.json())["choices"][0]
+            text = choice["message"]["content"] if req.messages is not None else choice["text"]
+            return choice["token_ids"], text, choice["finish_reason"]
+        tokens, text, finish = [], "", None
+        async for line in resp.content:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            choice = event["choices"][0]
+            tokens += choice.get("token_ids", [])
+            text += (choice["delta"].get("content") or "") if req.messages is not None \
+                else choice["text"]
+            finish = choice["finish_reason"] or finish
+        return tokens, text, finish
+
+
+async def _grpc(address: str, req: Req):
+    async with AsyncGenerationClient(address, timeout=120) as client:
+        if req.via == "grpc":
+            out = await client.generate(req.prompt, max_tokens=req.max_tokens, temperature=0.0,
+                                        stop=req.stop or None)
+            return out.token_ids, out.text, out.finish_reason
+        tokens, text, finish = [], "", None
+        async for chunk in client.stream(req.prompt, max_tokens=req.max_tokens,
+                                         temperature=0.0, stop=req.stop or None):
+            tokens += chunk.token_ids
+            text += chunk.text
+            finish = chunk.finish_reason or finish
+        return tokens, text, finish
+
+
+async def run_batch(http_url: str, grpc_address: str, model: str, reqs: list[Req]):
+    async with ClientSession() as http:
+        return await asyncio.gather(*[
+            _grpc(grpc_address, r) if r.via.startswith("grpc")
+            else _http(http, http_url, model, r) for r in reqs])
+
+
+# ---- /metrics ----------------------------------------------------------------------------
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """{node: value} of a per-node gauge in Prometheus text."""
+    out = {}
+    for m in re.finditer(rf'^{name}{{node="([^"]+)",role="[^"]+"}} (\S+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def scrape(http_url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{http_url}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,154 @@
+"""2 prefill x 2 decode nodes behind one router, real processes, real etcd on 127.0.0.1.
+
+- The mixed concurrent batch equals the single-node LLM (tokens and text).
+- A decode node killed (SIGKILL) in the middle of a streamed request: the router replays
+  prompt + streamed tokens on the other pair; the client's stream goes on with nothing lost
+  or repeated, and ends equal to the single-node output.
+- A node stopped with SIGTERM while requests are in flight: it leaves routing within the
+  lease TTL and no request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+
+import pytest
+from aiohttp import ClientSession
+
+from tests.integration.router_harness import (
+    ENGINE,
+    LEASE_TTL,
+    MODEL,
+    Req,
+    metric_values,
+    mixed_batch,
+    reference,
+    run_batch,
+    scrape,
+    start_cluster,
+    tiny_model_folder,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_model_folder(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    from engine import LLM
+
+    return LLM(folder, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def cluster(folder, tmp_path_factory):
+    c = start_cluster(folder, tmp_path_factory.mktemp("cluster-2x2"), prefill=2, decode=2)
+    yield c
+    c.stop()
+
+
+def _inflight(http_url: str) -> dict[str, float]:
+    return metric_values(scrape(http_url), "pdserve_router_node_inflight_requests")
+
+
+def test_pd_2x2_equals_single_node_llm(cluster, llm):
+    reqs = mixed_batch() + mixed_batch()          # 16 concurrent requests over 2 pairs
+    outs = asyncio.run(run_batch(cluster.http_url, cluster.grpc_address, MODEL, reqs))
+    for i, (req, got) in enumerate(zip(reqs, outs, strict=True)):
+        assert got == reference(llm, req), f"request {i} ({req.via})"
+    served = metric_values(scrape(cluster.http_url), "pdserve_node_free_kv_blocks")
+    assert sorted(served) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+
+
+def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    want_tokens, want_text, want_finish = reference(llm, Req("http", prompt, 300))
+    killed: list[str] = []
+
+    async def body():
+        tokens, text, finish = [], "", None
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0,
+                "stream": True, "return_token_ids": True}
+        async with ClientSession() as http, \
+                http.post(cluster.http_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                choice = event["choices"][0]
+                tokens += choice["token_ids"]
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                if len(tokens) >= 10 and not killed:
+                    busy = [n for n, v in (await asyncio.to_thread(
+                        _inflight, cluster.http_url)).items()
+                        if n.startswith("decode") and v > 0]
+                    assert len(busy) == 1, busy
+                    node = next(c for c in cluster.nodes if c.name == busy[0])
+                    node.signal(signal.SIGKILL)
+                    node.wait(10)
+                    killed.append(busy[0])
+        return tokens, text, finish
+
+    tokens, text, finish = asyncio.run(body())
+    assert killed, "the request finished before a node could be killed"
+    assert len(tokens) == len(want_tokens) == 300
+    assert tokens == want_tokens and text == want_text and finish == want_finish
+    metrics = scrape(cluster.http_url)
+    assert "pdserve_router_replays_total 1.0" in metrics
+    assert killed[0] not in metric_values(metrics, "pdserve_node_free_kv_blocks")
+
+
+def test_sigterm_node_leaves_routing_within_lease_ttl_and_no_request_fails(cluster, llm):
+    # the previous test killed one decode node: bring a fresh one in first
+    fresh = cluster.add_node("decode", index=2)
+    cluster.wait_ready([fresh], 120)
+    assert wait_for(lambda: "decode-2" in _inflight(cluster.http_url), 10)
+    decodes = [n for n, _ in _inflight(cluster.http_url).items() if n.startswith("decode")]
+    assert len(decodes) == 2
+
+    reqs = [Req("http" if i % 2 else "grpc-stream", [20 + i, 30, 40, 50 + i, 60], 40)
+            for i in range(12)]
+    results: dict[int, tuple] = {}
+    gone_after: list[float] = []
+
+    def stop_one():
+        # once a few requests are in flight on both decode nodes, SIGTERM one of them
+        wait_for(lambda: len(results) >= 2, 60, 0.02)
+        node = next(c for c in cluster.nodes if c.name == "decode-2")
+        t0 = time.monotonic()
+        node.signal(signal.SIGTERM)
+        if wait_for(lambda: "decode-2" not in _inflight(cluster.http_url), LEASE_TTL + 1, 0.05):
+            gone_after.append(time.monotonic() - t0)
+        assert node.wait(60) == 0
+
+    async def body():
+        sem = asyncio.Semaphore(4)
+
+        async def one(i, req):
+            async with sem:
+                (out,) = await run_batch(cluster.http_url, cluster.grpc_address, MODEL, [req])
+                results[i] = out
+        await asyncio.gather(*[one(i, r) for i, r in enumerate(reqs)])
+
+    stopper = threading.Thread(target=stop_one)
+    stopper.start()
+    asyncio.run(body())
+    stopper.join(90)
+    assert gone_after, "the SIGTERMed node was still routed to after the lease TTL"
+    for i, req in enumerate(reqs):
+        assert results[i] == reference(llm, req), f"request {i}"
+    assert sorted(n for n in _inflight(cluster.http_url) if n.startswith("decode")) == sorted(
+        set(decodes) - {"decode-2"})
