@@ -2,9 +2,10 @@
 block hashes, and this router's own in-flight count per node.
 
 Fed by the discovery watch (PUT adds or updates, DELETE removes). A node whose call fails is
-dropped at once (`mark_failed`) rather than waiting for its lease to expire; it comes back
-only when discovery announces it again with a new incarnation (a restart), or when its
-registration is re-put after `failed_hold_s` (a transient fault).
+dropped at once (`mark_failed`) rather than waiting for its lease to expire. It comes back
+when discovery announces a new incarnation (a restart), or, if discovery still lists it
+after `failed_hold_s` (longer than a lease TTL, so a dead node's DELETE normally comes
+first), when that hold ends: the fault was transient.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class NodeState:
 
 
 class NodePool:
-    def __init__(self, failed_hold_s: float = 5.0):
+    def __init__(self, failed_hold_s: float = 10.0):
         self._nodes: dict[str, NodeState] = {}
-        self._failed: dict[str, tuple[str, float]] = {}   # node_id -> (incarnation, when)
+        self._failed: dict[str, tuple[NodeState, float]] = {}   # node_id -> (state, when)
         self.failed_hold_s = failed_hold_s
         self.version = 0            # bumped on membership change (tests wait on it)
 
@@ -46,11 +47,11 @@ class NodePool:
     def upsert(self, node: NodeState) -> None:
         failed = self._failed.get(node.node_id)
         if failed is not None:
-            incarnation, when = failed
-            if (node.incarnation == incarnation
-                    and time.monotonic() - when < self.failed_hold_s):
-                return                       # the same process we just saw fail
-            del self._failed[node.node_id]
+            state, when = failed
+            if node.incarnation == state.incarnation:
+                self._failed[node.node_id] = (node, when)    # same process: stay on hold
+                return
+            del self._failed[node.node_id]                  # restarted: take it now
         old = self._nodes.get(node.node_id)
         if old is not None and old.incarnation == node.incarnation:
             # A re-put of the same process: keep the load it published and our count.
@@ -80,18 +81,30 @@ class NodePool:
             node.block_hashes = block_hashes
 
     def remove(self, node_id: str) -> None:
+        """Discovery says the node is gone (DELETE): forget it, on hold or not."""
+        self._failed.pop(node_id, None)
         if self._nodes.pop(node_id, None) is not None:
             self.version += 1
 
     def mark_failed(self, node_id: str) -> None:
-        node = self._nodes.get(node_id)
+        node = self._nodes.pop(node_id, None)
         if node is not None:
-            self._failed[node_id] = (node.incarnation, time.monotonic())
-            self.remove(node_id)
+            self._failed[node_id] = (node, time.monotonic())
+            self.version += 1
+
+    def _revive(self) -> None:
+        now = time.monotonic()
+        for node_id, (state, when) in list(self._failed.items()):
+            if now - when >= self.failed_hold_s:
+                del self._failed[node_id]
+                self._nodes[node_id] = state
+                self.version += 1
 
     # ---- queries ---------------------------------------------------------------------
     def nodes(self, role: str, model: str | None = None) -> list[NodeState]:
         """Live nodes of a role, sorted by node id (policies depend on a stable order)."""
+        if self._failed:
+            self._revive()
         out = [n for n in self._nodes.values()
                if n.role == role and (model is None or not n.model or n.model == model)]
         return sorted(out, key=lambda n: n.node_id)
@@ -100,4 +113,6 @@ class NodePool:
         return self._nodes.get(node_id)
 
     def all(self) -> list[NodeState]:
+        if self._failed:
+            self._revive()
         return sorted(self._nodes.values(), key=lambda n: (n.role, n.node_id))

@@ -71,9 +71,13 @@ class ChannelCache:
 
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
-                 max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4):
+                 max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
+                 stall_timeout_s: float = 120.0):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.max_model_len = max_model_len
+        # A decode node that sends nothing for this long is treated as down (a hung process
+        # would otherwise hold the client forever; a slow one still sends every step).
+        self.stall_timeout_s = stall_timeout_s
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
         self.channels = ChannelCache()
@@ -121,8 +125,9 @@ class PdBackend:
                 dec = self._pick("decode", routing, exclude["decode"])
             except NoNodeAvailable as exc:
                 if full:
-                    raise Overloaded(f"every decode node is full ({len(full)} tried); "
-                                     "retry later") from None
+                    raise Overloaded(f"every node that could serve is full ({len(full)} "
+                                     f"tried: {', '.join(sorted(full))}); retry later"
+                                     ) from None
                 if refusals:
                     raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
                                           ) from None
@@ -152,7 +157,7 @@ class PdBackend:
             attempt += 1
             if attempt >= self.max_attempts:
                 if full and len(full) == len(refusals):
-                    raise Overloaded(f"every decode node tried is full: {refusals[-1]}")
+                    raise Overloaded(f"every node tried is full; last: {refusals[-1]}")
                 raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
                                       f"{refusals[-1] if refusals else 'node failure'}")
             if streamed:
@@ -179,7 +184,10 @@ class PdBackend:
             read = asyncio.ensure_future(call.read())
             while True:
                 waits = {read} if prefill is None or not prefill_open else {read, prefill}
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(waits, timeout=self.stall_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise NodeFailure(dec.node_id, f"no event for {self.stall_timeout_s:.0f} s")
                 if prefill is not None and prefill_open and prefill in done:
                     prefill_open = False
                     pre.inflight -= 1
@@ -187,7 +195,7 @@ class PdBackend:
                     prefill_cached = prefill.result().prefix_cached_tokens
                 if read not in done:
                     continue
-                event = _decode_result(read, dec, prefill, pre)
+                event = await _decode_result(read, dec, prefill, pre)
                 if event is grpc.aio.EOF:
                     raise NodeFailure(dec.node_id, "the token stream ended without a finish")
                 read = asyncio.ensure_future(call.read())
@@ -265,14 +273,19 @@ def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
     raise _classify(code, message, dec if "decode" in message.lower() else pre)
 
 
-def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
-                   pre: NodeState):
+async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
+                         pre: NodeState):
     try:
         return read.result()
     except grpc.aio.AioRpcError as exc:
         code, message = exc.code(), exc.details() or exc.code().name
-        if code == grpc.StatusCode.ABORTED and prefill is not None and prefill.done():
-            _check_prefill(prefill, pre, dec)     # the prefill's own failure says more
+        if code == grpc.StatusCode.ABORTED and prefill is not None:
+            # "prefill failed": the Prefill call carries the root cause (bad argument,
+            # fingerprint mismatch, a dead prefill node); it may land a moment later.
+            if not prefill.done():
+                await asyncio.wait({prefill}, timeout=5.0)
+            if prefill.done():
+                _check_prefill(prefill, pre, dec)
         if code in _NODE_DOWN:
             raise NodeFailure(dec.node_id, f"{code.name}: {message}") from None
         raise _classify(code, message, dec) from None

@@ -89,7 +89,8 @@ class Router:
         if start is not None:
             await start()
         self._feed = asyncio.create_task(follow(self.registry, self.pool))
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=5.0)
+        # handler_cancellation: a client that hangs up aborts its request on the nodes.
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host, _, port = self.config.http_listen.rpartition(":")
         site = web.TCPSite(self._runner, host, int(port))

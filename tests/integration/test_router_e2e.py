@@ -183,15 +183,16 @@ def test_second_router_and_pdserve_generate(cluster, llm):
         outs = asyncio.run(run_batch(addrs["http"], addrs["grpc"], MODEL, reqs))
         _assert_batch_equal(llm, reqs, outs)
 
-        # the CLI client, against the second router's gRPC API
-        proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate",
-                               "The quick brown fox", "--router", addrs["grpc"],
-                               "--max-tokens", "10"], capture_output=True, text=True,
-                              timeout=60, cwd=cluster.env["PYTHONPATH"].split(":")[0],
-                              env=cluster.env)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout == reference(llm, reqs[0])[1] + "\n"
-        assert "[10 tokens, finish: length" in proc.stderr
+        # the CLI client, against the second router's gRPC API, whole and streamed
+        for extra in ([], ["--stream"]):
+            proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate",
+                                   "The quick brown fox", "--router", addrs["grpc"],
+                                   "--max-tokens", "10", *extra], capture_output=True,
+                                  text=True, timeout=60,
+                                  cwd=cluster.env["PYTHONPATH"].split(":")[0], env=cluster.env)
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout == reference(llm, reqs[0])[1] + "\n"
+            assert "[10 tokens, finish: length" in proc.stderr
     finally:
         second.signal(15)
         assert second.wait(30) == 0

@@ -16,6 +16,7 @@ from router.http_server import make_app
 from router.metrics import RouterMetrics
 from router.model_info import ModelInfo
 from router.node_pool import NodePool
+from router.openai_format import SSE_DONE, sse_event
 from router.service import RouterService
 from tests.router_fakes import TOKENS, ScriptedBackend, make_router_model_dir
 
@@ -60,6 +61,12 @@ async def _sse(http, path, body) -> tuple[int, list]:
         payload = ev[len("data: "):]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return status, out
+
+
+def test_sse_framing_is_exact():
+    assert sse_event({"text": "é\n", "n": [1, 2]}) == (
+        b'data: {"text":"\xc3\xa9\\n","n":[1,2]}\n\n')
+    assert SSE_DONE == b"data: [DONE]\n\n"
 
 
 def test_completion_whole_and_streamed_agree(model_dir, tok):

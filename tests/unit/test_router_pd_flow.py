@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from protos import common_pb2, node_pb2, node_pb2_grpc
 from router.backend import NodeRequest
 from router.discovery_feed import follow
-from router.errors import NoNodeAvailable, Overloaded
+from router.errors import InvalidRequest, NoNodeAvailable, Overloaded
 from router.metrics import RouterMetrics
 from router.node_pool import NodePool, NodeState
 from router.pd_backend import PdBackend
@@ -32,14 +32,17 @@ class Shared:
         self.prefill_requests: list = []
         self.reserve_requests: list = []
         self.cancelled: list[str] = []
+        self.prefill_failed: set[str] = set()
 
     def event(self, rid: str) -> asyncio.Event:
         return self.prefilled.setdefault(rid, asyncio.Event())
 
 
 class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False):
+    def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False,
+                 hang_after: int | None = None):
         self.shared, self.die_after, self.full = shared, die_after, full
+        self.hang_after = hang_after
 
     async def Decode(self, request, context):
         self.shared.reserve_requests.append((context, request))
@@ -52,9 +55,13 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         max_tokens = request.sampling.max_tokens
         try:
             await self.shared.event(request.request_id).wait()
+            if request.request_id in self.shared.prefill_failed:
+                await context.abort(grpc.StatusCode.ABORTED, "prefill failed: see the prefill")
             for i in range(max_tokens):
                 if self.die_after is not None and i == self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
+                if self.hang_after is not None and i == self.hang_after:
+                    await asyncio.sleep(3600)          # a hung process: alive, silent
                 tokens.append(model_next(tokens))
                 last = i == max_tokens - 1
                 yield node_pb2.DecodeEvent(tokens=node_pb2.TokenEvent(
@@ -67,13 +74,18 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 
 
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, shared: Shared, fail: bool = False):
-        self.shared, self.fail = shared, fail
+    def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None):
+        self.shared, self.fail, self.refuse = shared, fail, refuse
 
     async def Prefill(self, request, context):
         self.shared.prefill_requests.append(request)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node crashed")
+        if self.refuse is not None:     # the decode stream learns first, then this reply
+            self.shared.prefill_failed.add(request.request_id)
+            self.shared.event(request.request_id).set()
+            await asyncio.sleep(0.2)
+            await context.abort(self.refuse, "prompt token 999 is outside the vocabulary")
         self.shared.event(request.request_id).set()
         return node_pb2.PrefillReply(first_token_id=0, num_pushed_blocks=2)
 
@@ -169,6 +181,24 @@ def test_decode_death_mid_stream_replays_on_another_pair_without_loss_or_duplica
     assert second.sampling.max_tokens == 5
 
 
+def test_a_silent_decode_node_is_dropped_after_the_stall_timeout_and_replayed():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{"hang_after": 2}, {}], [{}])
+        backend.stall_timeout_s = 0.5
+        tokens, _ = await _collect(backend, "r8", PROMPT, 6)
+        live = [n.node_id for n in pool.nodes("decode")]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens, live
+
+    shared, tokens, live = _run(main())
+    assert tokens == _expected(PROMPT, 6)
+    assert live == ["decode-1"]
+    assert "r8" in shared.cancelled             # the hung call was cancelled, not leaked
+
+
 def test_prefill_failure_drops_the_prefill_node_and_replays():
     async def main():
         shared = Shared()
@@ -187,6 +217,24 @@ def test_prefill_failure_drops_the_prefill_node_and_replays():
     # the first attempt's decode call was cancelled (its reservation released), not left
     # to wait out the lease
     assert "r3" in shared.cancelled
+
+
+def test_a_prefill_refusal_reports_its_root_cause_not_the_decode_abort():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(
+            shared, [{}], [{"refuse": grpc.StatusCode.INVALID_ARGUMENT}])
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            await _collect(backend, "r7", PROMPT, 4)
+        live = [n.node_id for n in pool.all()]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, live
+
+    shared, live = _run(main())
+    assert len(shared.prefill_requests) == 1        # a bad request is not retried elsewhere
+    assert live == ["decode-0", "prefill-0"]        # and no node is blamed for it
 
 
 def test_every_decode_node_full_is_overloaded_and_no_nodes_is_unavailable():

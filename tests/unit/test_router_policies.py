@@ -97,6 +97,25 @@ def test_router_hashes_equal_the_block_managers_registered_hashes():
     assert len(prefix_block_hashes(tokens, 4)) == 3
 
 
+def test_node_pool_failed_node_on_hold_comes_back_if_still_registered(monkeypatch):
+    import router.node_pool as node_pool
+
+    now = [1000.0]
+    monkeypatch.setattr(node_pool.time, "monotonic", lambda: now[0])
+    pool = NodePool(failed_hold_s=10.0)
+    pool.upsert(_node(0, incarnation="a"))
+    pool.upsert(_node(1, incarnation="b"))
+    pool.mark_failed("prefill-0")
+    now[0] += 9.9
+    assert [n.node_id for n in pool.nodes("prefill")] == ["prefill-1"]
+    now[0] += 0.1                                   # hold over, discovery still lists it
+    assert [n.node_id for n in pool.nodes("prefill")] == ["prefill-0", "prefill-1"]
+    pool.mark_failed("prefill-1")
+    pool.remove("prefill-1")                        # its lease ended: gone for good
+    now[0] += 60
+    assert [n.node_id for n in pool.nodes("prefill")] == ["prefill-0"]
+
+
 def test_node_pool_failed_node_stays_out_until_new_incarnation():
     pool = NodePool(failed_hold_s=60.0)
     pool.upsert(_node(0, incarnation="a"))

@@ -1,0 +1,262 @@
+"""KV transfer benchmarks for PD PUSH mode, each against a peer measured in the same run.
+
+    python bench/kv_transfer.py [--model DIR] [--prompt-len 2048] [--repeats 3] [--quick]
+
+1. Push bandwidth over loopback. A real decode node (`pdserve decode`, own process)
+   reserves the blocks of a --prompt-len prompt; the bench pushes that prompt's whole KV
+   (random bytes of the right shape: every layer's K and V for every block) through the
+   default gRPC transport (DecodeNode.PushKv: header, raw-bytes chunks, done), so the
+   decode node validates every chunk and writes it into its cache. Peer: a raw TCP socket
+   moving the same number of bytes, in the same chunk size, to a receiver process that
+   reads them into a buffer. Reported: GB/s of both and the ratio (target >= 50%).
+2. Time to first token of a --prompt-len prompt. PD: the bench drives a prefill node and a
+   decode node (both real processes) as a router does (Decode -> reservation -> Prefill,
+   layer-wise push, first token streamed by the decode node). Peer: the same model and
+   engine options on a single node (an LLMEngine in this process, prefill + first token).
+   Reported: medians and the PD / single-node ratio (target <= 1.2x).
+Default model: SmolLM2-135M-Instruct (the prepared default), float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHUNK = 4 << 20
+
+
+# ---- node processes -----------------------------------------------------------------------
+def start_node(role: str, model: str, opts: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+    from cluster.etcd_server import free_port
+    port = free_port()
+    ready = tmp / f"{role}.ready"
+    log = open(tmp / f"{role}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", role, "--listen",
+                             f"127.0.0.1:{port}", "--etcd", "none", "--ready-file", str(ready),
+                             "--model", model, *opts], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{role} node failed: {(tmp / f'{role}.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc, ready.read_text().strip()
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ---- 1a: raw TCP peer ---------------------------------------------------------------------
+RECEIVER = r"""
+import socket, sys
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+buf = bytearray(1 << 22); view = memoryview(buf)
+while True:
+    conn, _ = srv.accept()
+    header = conn.recv(16)
+    if not header: break
+    total = int(header.decode()); got = 0
+    while got < total:
+        n = conn.recv_into(view, min(len(buf), total - got))
+        if n == 0: break
+        got += n
+    conn.sendall(b"k"); conn.close()
+"""
+
+
+def raw_tcp_seconds(payload: list[bytes], repeats: int) -> list[float]:
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE)
+    port = int(proc.stdout.readline())
+    total = sum(len(p) for p in payload)
+    times = []
+    try:
+        for _ in range(repeats):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                t0 = time.perf_counter()
+                s.sendall(f"{total:16d}".encode())
+                for part in payload:
+                    s.sendall(part)
+                assert s.recv(1) == b"k"
+                times.append(time.perf_counter() - t0)
+    finally:
+        with socket.create_connection(("127.0.0.1", port)):
+            pass                                   # empty header: the receiver exits
+        proc.wait(10)
+    return times
+
+
+# ---- 1b: gRPC push into a real decode node ------------------------------------------------
+async def _aiter(items):
+    # (grpc.aio runs a plain iterator through an executor, far slower than this)
+    for item in items:
+        yield item
+
+
+async def grpc_push_seconds(decode_addr: str, prompt: list[int], repeats: int):
+    import grpc
+    import torch
+
+    from cluster.kv_transfer.base import GRPC_OPTIONS
+    from cluster.kv_transfer.codec import layer_chunks
+    from cluster.proto_convert import fingerprint_from_proto, sampling_to_proto
+    from engine.sampling_params import SamplingParams
+    from protos import node_pb2, node_pb2_grpc
+
+    async with grpc.aio.insecure_channel(decode_addr, GRPC_OPTIONS) as ch:
+        stub = node_pb2_grpc.DecodeNodeStub(ch)
+        times, nbytes, payload = [], 0, None
+        for r in range(repeats + 1):                      # the first run warms up
+            call = stub.Decode(node_pb2.ReserveRequest(
+                request_id=f"bw-{r}", prompt_token_ids=prompt,
+                sampling=sampling_to_proto(SamplingParams(max_tokens=1, temperature=0.0))))
+            res = (await anext(aiter(call))).reservation
+            fp = fingerprint_from_proto(res.fingerprint)
+            ids = list(res.block_ids)[res.num_cached_blocks:]
+            dtype = getattr(torch, fp.dtype)
+            layer_kv = torch.randn(len(ids), fp.block_size, fp.num_kv_heads, fp.head_dim,
+                                   dtype=torch.float32).to(dtype)
+            chunks = [c for layer in range(fp.num_layers)
+                      for c in layer_chunks(layer, ids, layer_kv, layer_kv, fp.dtype, CHUNK)]
+            messages = [node_pb2.KvPushMessage(header=node_pb2.PushHeader(
+                request_id=f"bw-{r}", reservation_id=res.reservation_id,
+                fingerprint=res.fingerprint, block_ids=ids))]
+            messages += [node_pb2.KvPushMessage(chunk=c) for c in chunks]
+            messages.append(node_pb2.KvPushMessage(done=node_pb2.PushDone(
+                first_token_id=1, num_chunks=len(chunks))))
+            t0 = time.perf_counter()
+            ack = await stub.PushKv(_aiter(messages))
+            dt = time.perf_counter() - t0
+            async for _ in call:                          # the 1-token request finishes
+                pass
+            if r:
+                times.append(dt)
+            nbytes = ack.bytes_received
+            payload = [c.data for c in chunks]
+    return times, nbytes, payload
+
+
+# ---- 2: TTFT ------------------------------------------------------------------------------
+class SingleNode:
+    """The peer: the same model and engine options, prefill + first token in one engine."""
+
+    def __init__(self, model: str, engine_opts: dict):
+        from engine.config import EngineConfig
+        from engine.engine_core import LLMEngine
+
+        self.engine = LLMEngine(EngineConfig(model=model, enable_prefix_caching=False,
+                                             **engine_opts))
+        self.n = 0
+
+    def ttft(self, prompt: list[int]) -> float:
+        from engine.sampling_params import SamplingParams
+
+        self.n += 1
+        rid = f"s{self.n}"
+        t0 = time.perf_counter()
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        while not self.engine.step():
+            pass
+        dt = time.perf_counter() - t0
+        self.engine.release(rid)
+        return dt
+
+
+async def ttft_pairs(prefill_addr: str, decode_addr: str, single: SingleNode,
+                     prompts: list[list[int]]) -> tuple[list[float], list[float]]:
+    """PD and single-node runs interleaved (same prompts, same moments), so load from
+    other processes on the machine hits both alike. The first pair warms up."""
+    from cluster.pd_client import PdClient
+    from engine.sampling_params import SamplingParams
+
+    client = PdClient(prefill_addr, decode_addr)
+    pd, one = [], []
+    for r, prompt in enumerate(prompts):
+        out = await client.generate(f"pd-{r}", prompt, SamplingParams(max_tokens=1,
+                                                                      temperature=0.0))
+        t_single = await asyncio.to_thread(single.ttft, prompt)
+        if r:
+            pd.append(out.ttft_s)
+            one.append(t_single)
+    await client.close()
+    return pd, one
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="512-token prompt, 2 repeats")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompt_len, args.repeats = 512, 2
+    import random
+
+    from bench.common import machine_facts
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+        model = str(prepare_default_model(progress=True))
+    print("machine:", machine_facts())
+    engine_opts = dict(dtype=args.dtype, block_size=16, max_num_batched_tokens=max(
+        2048, args.prompt_len), max_num_seqs=8, kv_cache_memory_gb=2.0)
+    opts = ["--dtype", args.dtype, "--block-size", "16", "--max-num-batched-tokens",
+            str(engine_opts["max_num_batched_tokens"]), "--max-num-seqs", "8",
+            "--kv-cache-memory-gb", "2", "--no-prefix-caching"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)]
+               for _ in range(args.repeats + 1)]
+    with tempfile.TemporaryDirectory() as tmp:
+        decode, d_addr = start_node("decode", model, opts, Path(tmp))
+        prefill = None
+        try:
+            push_t, nbytes, payload = asyncio.run(grpc_push_seconds(d_addr, prompts[0],
+                                                                    args.repeats))
+            tcp_t = raw_tcp_seconds(payload, args.repeats)
+            g_push, g_tcp = nbytes / min(push_t) / 1e9, nbytes / min(tcp_t) / 1e9
+            print(f"\nKV push of a {args.prompt_len}-token prompt: {nbytes / 1e6:.1f} MB in "
+                  f"{len(payload)} chunks of <= {CHUNK >> 20} MiB")
+            print(f"  gRPC push into the decode node: best {min(push_t) * 1e3:.1f} ms = "
+                  f"{g_push:.2f} GB/s (median {statistics.median(push_t) * 1e3:.1f} ms)")
+            print(f"  raw TCP socket, same bytes:     best {min(tcp_t) * 1e3:.1f} ms = "
+                  f"{g_tcp:.2f} GB/s (median {statistics.median(tcp_t) * 1e3:.1f} ms)")
+            print(f"  ratio gRPC push / raw TCP: {g_push / g_tcp:.0%} (target >= 50%)")
+
+            prefill, p_addr = start_node("prefill", model, opts, Path(tmp))
+            single_node = SingleNode(model, engine_opts)
+            pd, single = asyncio.run(ttft_pairs(p_addr, d_addr, single_node, prompts))
+        finally:
+            stop(decode)
+            if prefill is not None:
+                stop(prefill)
+    m_pd, m_single = statistics.median(pd), statistics.median(single)
+    print(f"\nTTFT of a {args.prompt_len}-token prompt ({args.dtype}, CPU):")
+    print(f"  single node (LLMEngine in the bench):  median {m_single * 1e3:.0f} ms "
+          f"{[round(t * 1e3) for t in single]}")
+    print(f"  PD (prefill node -> decode node):      median {m_pd * 1e3:.0f} ms "
+          f"{[round(t * 1e3) for t in pd]}")
+    print(f"  ratio PD / single node: {m_pd / m_single:.2f}x (target <= 1.2x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
