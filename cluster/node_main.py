@@ -21,10 +21,17 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
     try:
         if role == "decode":
             from decode_node.node import DecodeNode
-            return DecodeNode(config, node_id=node_id)
+            tcp = None if args.kv_tcp_listen in ("", "none", "off") else args.kv_tcp_listen
+            if tcp == "auto":
+                tcp = f"{args.listen.rpartition(':')[0]}:0"
+            return DecodeNode(config, node_id=node_id, lease_s=args.lease_s, kv_tcp_listen=tcp)
         from cluster.kv_transfer.grpc_transport import GrpcTransport
         from prefill_node.node import PrefillNode
-        return PrefillNode(config, GrpcTransport(), node_id=node_id)
+        transport = GrpcTransport()
+        if args.kv_transport == "tcp":
+            from cluster.kv_transfer.tcp_transport import TcpTransport
+            transport = TcpTransport(transport)
+        return PrefillNode(config, transport, node_id=node_id)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(f"cannot load the model: {exc}") from None
 
@@ -58,8 +65,8 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
         port = await server.start()
     except OSError as exc:
         raise CliError(str(exc)) from None
-    node.start()
     address = advertised(args.listen, port, args.advertise)
+    node.start(advertise_host=address.rpartition(":")[0])
     record = NodeRecord(node_id=node_id, role=role, address=address,
                         incarnation=new_incarnation(), model_id=node.service.model_id,
                         max_model_len=node.engine.max_model_len,

@@ -33,7 +33,8 @@ class DecodeNode:
     SERVICE = "pdserve.v1.DecodeNode"
     add_to_server = staticmethod(node_pb2_grpc.add_DecodeNodeServicer_to_server)
 
-    def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0):
+    def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0,
+                 kv_tcp_listen: str | None = None):
         self.engine = LLMEngine(config)
         self.tokenizer = load_tokenizer(self.engine)
         self.fingerprint = engine_fingerprint(self.engine)
@@ -44,13 +45,23 @@ class DecodeNode:
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
                                      self.loop.wake, node_id=node_id,
                                      model_id=Path(config.model).name)
+        self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
+        self.kv_tcp = None
 
-    def start(self) -> None:
+    def start(self, advertise_host: str | None = None) -> None:
         """Call from the event loop that serves the service."""
         self.loop.start()
         self.service.start()
+        if self.kv_tcp_listen:
+            from cluster.kv_transfer.tcp_transport import TcpKvServer
+            host, _, port = self.kv_tcp_listen.rpartition(":")
+            self.kv_tcp = TcpKvServer(self.service.push_handler, host.strip("[]"), int(port))
+            self.kv_tcp.start()
+            self.service.kv_tcp_address = self.kv_tcp.address(advertise_host)
 
     async def stop(self) -> None:
+        if self.kv_tcp is not None:
+            await self.kv_tcp.stop()
         await self.service.stop()
         self.loop.stop()
 

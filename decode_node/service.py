@@ -34,6 +34,7 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         self.node_id = node_id
         self.model_id = model_id
         self.draining = False
+        self.kv_tcp_address = ""          # the raw-TCP KV data plane, when it runs
         self.push_handler = PushHandler(receiver, fingerprint, self._admitted, self._push_failed)
         self._reaper: asyncio.Task | None = None
 
@@ -156,4 +157,5 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
     async def GetNodeInfo(self, request, context):
         return node_pb2.NodeInfo(node_id=self.node_id, role="decode", model_id=self.model_id,
                                  max_model_len=self.engine.max_model_len,
-                                 fingerprint=fingerprint_to_proto(self.fingerprint))
+                                 fingerprint=fingerprint_to_proto(self.fingerprint),
+                                 kv_tcp_address=self.kv_tcp_address)

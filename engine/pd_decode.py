@@ -166,8 +166,12 @@ class KvReceiver:
             if res.released:
                 raise UnknownReservation(f"reservation {reservation_id!r} ended during the push")
             cache = (self.engine.kv_cache.k if kind == KEY else self.engine.kv_cache.v)[layer]
-            idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-            cache.index_copy_(0, idx, src.to(cache.device, non_blocking=False))
+            first = block_ids[0]
+            if block_ids == list(range(first, first + len(block_ids))):   # one run: a slice
+                cache[first:first + len(block_ids)].copy_(src)
+            else:
+                idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+                cache.index_copy_(0, idx, src.to(cache.device, non_blocking=False))
             res.pending[(layer, kind)].difference_update(block_ids)
             res.bytes_received += nbytes
             res.chunks_received += 1

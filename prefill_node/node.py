@@ -33,7 +33,7 @@ class PrefillNode:
                                       self.fingerprint, node_id=node_id,
                                       model_id=Path(config.model).name, chunk_bytes=chunk_bytes)
 
-    def start(self) -> None:
+    def start(self, advertise_host: str | None = None) -> None:
         self.loop.start()
 
     async def stop(self) -> None:

@@ -66,7 +66,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                                      fingerprint=fingerprint_to_proto(self.fingerprint),
                                      block_ids=list(request.block_ids)[skip:])
         sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
-                            self.chunk_bytes)
+                            self.chunk_bytes,
+                            raw_payload=getattr(self.transport, "wants_raw_payload", False))
 
         def add():
             with self.lock:
@@ -90,6 +91,12 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
             await self._notify_decode(request, f"push refused: {exc.message}")
             await context.abort(exc.code, f"decode node {request.decode_address} refused the KV "
                                           f"push of request {rid}: {exc.message}")
+        except (OSError, RuntimeError, ValueError) as exc:    # a transport bug or a lost socket
+            log.exception("request %s: KV push failed", rid)
+            await asyncio.to_thread(self._abort_engine, rid)
+            await self._notify_decode(request, f"KV push failed: {exc}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"KV push of request {rid} failed: "
+                                                          f"{exc}")
         except asyncio.CancelledError:       # the router went away
             await asyncio.to_thread(self._abort_engine, rid)
             await self._notify_decode(request, "prefill cancelled by its caller")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -116,8 +117,8 @@ class PdBackend:
                 return
             params = request.params
             if streamed:
-                params = SamplingParams(**{**_fields(params),
-                                           "max_tokens": params.max_tokens - len(streamed)})
+                params = dataclasses.replace(params,
+                                             max_tokens=params.max_tokens - len(streamed))
             rid = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
             routing = RoutingRequest(rid, prompt)
             try:
@@ -231,10 +232,10 @@ class PdBackend:
                 if fut is not None and not fut.done():
                     fut.cancel()
             call.cancel()
-            for fut in (read, prefill):
-                if fut is not None:
-                    with contextlib.suppress(BaseException):
-                        await fut
+            # Collect the cancelled calls' outcomes (a cancellation of this task itself
+            # still propagates out of gather).
+            await asyncio.gather(*(f for f in (read, prefill) if f is not None),
+                                 return_exceptions=True)
 
 
 def _stop_reason(value: str, params: SamplingParams) -> int | str | None:
@@ -244,11 +245,6 @@ def _stop_reason(value: str, params: SamplingParams) -> int | str | None:
     if value not in params.stop and value.isdigit():
         return int(value)
     return value
-
-
-def _fields(p: SamplingParams) -> dict:
-    from engine.sampling_params import _NAMES
-    return {n: getattr(p, n) for n in _NAMES}
 
 
 def _status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:

@@ -95,7 +95,7 @@ class Router:
         host, _, port = self.config.http_listen.rpartition(":")
         site = web.TCPSite(self._runner, host, int(port))
         await site.start()
-        bound = site._server.sockets[0].getsockname()[1]      # port 0: the one chosen
+        bound = self._runner.addresses[0][1]                  # port 0: the one chosen
         self.http_url = f"http://{host}:{bound}"
         self._grpc = GrpcFront(self.service, self.config.grpc_listen)
         await self._grpc.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from cluster.cli_common import env_argument
 from cluster.commands.node_options import add_node_arguments
 
 HELP = "run a decode node"
@@ -13,6 +14,13 @@ HELP = "run a decode node"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_arguments(parser, "decode", default_port=50071)
+    env_argument(parser, "--kv-tcp-listen", "PDSERVE_KV_TCP_LISTEN", default="auto",
+                 metavar="HOST:PORT",
+                 help="raw-TCP KV data plane for prefill nodes using --kv-transport tcp "
+                      "(auto: the listen host, any free port; none: off)")
+    env_argument(parser, "--lease-s", "PDSERVE_RESERVATION_LEASE", default=30.0, type=float,
+                 metavar="S", help="reservation lease: blocks not filled by then return to "
+                                   "the pool")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from cluster.cli_common import env_argument
 from cluster.commands.node_options import add_node_arguments
 
 HELP = "run a prefill node"
@@ -13,6 +14,11 @@ HELP = "run a prefill node"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_arguments(parser, "prefill", default_port=50061)
+    env_argument(parser, "--kv-transport", "PDSERVE_KV_TRANSPORT", default="grpc",
+                 choices=["grpc", "tcp"],
+                 help="how KV reaches decode nodes: gRPC streaming (works between any two "
+                      "hosts), or the decode node's raw-TCP data plane (falls back to gRPC "
+                      "where a decode node has none)")
 
 
 def run(args: argparse.Namespace) -> int:

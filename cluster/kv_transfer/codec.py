@@ -22,17 +22,32 @@ def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torc
     return flat.view(dtype).view(shape)
 
 
-def layer_chunks(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
-                 dtype: str, max_bytes: int) -> list[node_pb2.KvChunk]:
-    """K then V of one layer, each split into runs of whole blocks of <= max_bytes."""
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a host tensor (it keeps the tensor alive)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def layer_chunk_parts(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
+                      dtype: str, max_bytes: int) -> list[tuple[node_pb2.KvChunk, torch.Tensor]]:
+    """K then V of one layer, each split into runs of whole blocks of <= max_bytes:
+    (chunk metadata without data, the tensor slice holding its bytes)."""
     per_block = math.prod(k.shape[1:]) * k.element_size()
     step = max(1, max_bytes // per_block)
-    chunks = []
+    parts = []
     for kind, t in ((node_pb2.KV_KIND_KEY, k), (node_pb2.KV_KIND_VALUE, v)):
         for i in range(0, len(dst_block_ids), step):
             part = t[i:i + step]
-            chunks.append(node_pb2.KvChunk(layer=layer, kind=kind,
+            parts.append((node_pb2.KvChunk(layer=layer, kind=kind,
                                            block_ids=dst_block_ids[i:i + step],
-                                           shape=list(part.shape), dtype=dtype,
-                                           data=tensor_bytes(part)))
+                                           shape=list(part.shape), dtype=dtype), part))
+    return parts
+
+
+def layer_chunks(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
+                 dtype: str, max_bytes: int) -> list[node_pb2.KvChunk]:
+    """layer_chunk_parts with the bytes inside the messages (gRPC)."""
+    chunks = []
+    for meta, part in layer_chunk_parts(layer, dst_block_ids, k, v, dtype, max_bytes):
+        meta.data = tensor_bytes(part)
+        chunks.append(meta)
     return chunks

@@ -24,6 +24,10 @@ from protos import node_pb2
 
 log = logging.getLogger("cluster.kv_transfer")
 
+# In place of a chunk's bytes: the transport already wrote them with KvReceiver.write
+# (same validation) after this handler had accepted the header.
+WRITTEN = object()
+
 
 class PushHandler:
     def __init__(self, receiver: KvReceiver, fingerprint: Fingerprint,
@@ -34,7 +38,9 @@ class PushHandler:
         self.on_admitted = on_admitted   # the sequence joined the running batch
         self.on_failed = on_failed       # (request_id, reservation_id, error)
 
-    async def handle(self, messages: AsyncIterator[node_pb2.KvPushMessage]) -> node_pb2.PushAck:
+    async def handle(self, messages: AsyncIterator) -> node_pb2.PushAck:
+        """`messages`: KvPushMessage, or (KvPushMessage, chunk bytes) pairs from transports
+        that carry chunk bytes outside the message (raw TCP)."""
         header = None
         try:
             header = await self._header(messages)
@@ -45,14 +51,18 @@ class PushHandler:
                                  "KV fingerprint mismatch (decode node vs prefill node): "
                                  + "; ".join(diff))
             chunks = 0
-            async for msg in messages:
+            async for item in messages:
+                msg, data = item if isinstance(item, tuple) else (item, None)
                 which = msg.WhichOneof("msg")
-                if which == "chunk":
+                if which == "chunk" and data is WRITTEN:
+                    chunks += 1
+                elif which == "chunk":
                     c = msg.chunk
+                    data = c.data if data is None else data
                     # bytes copy into the cache: off the event loop for large chunks
                     args = (header.reservation_id, c.layer, c.kind, list(c.block_ids),
-                            list(c.shape), c.dtype, c.data)
-                    if len(c.data) > (1 << 20):
+                            list(c.shape), c.dtype, data)
+                    if len(data) > (1 << 20):
                         await asyncio.to_thread(self.receiver.write, *args)
                     else:
                         self.receiver.write(*args)
@@ -85,6 +95,8 @@ class PushHandler:
             first = await anext(messages)
         except StopAsyncIteration:
             raise PushRejected("empty push: no header") from None
+        if isinstance(first, tuple):
+            first = first[0]
         if first.WhichOneof("msg") != "header":
             raise PushRejected("a push must start with its header")
         return first.header

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES
-from cluster.kv_transfer.codec import layer_chunks
+from cluster.kv_transfer.codec import layer_chunk_parts, tensor_bytes, tensor_view
 from cluster.proto_convert import logprob_to_proto
 from protos import node_pb2
 
@@ -19,8 +19,11 @@ class PushSender:
     """One request's push. The on_* methods run on the engine thread and only enqueue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, header: node_pb2.PushHeader,
-                 dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, raw_payload: bool = False):
         self.loop = loop
+        # raw_payload: yield (message, bytes view) pairs for transports that move chunk
+        # bytes outside the message (no copy into protobuf)
+        self.raw_payload = raw_payload
         self.header = header
         self.dtype = dtype
         self.chunk_bytes = chunk_bytes
@@ -52,7 +55,7 @@ class PushSender:
         self._queue.put_nowait(("error", exc))
 
     # ---- event loop ----------------------------------------------------------------
-    async def messages(self) -> AsyncIterator[node_pb2.KvPushMessage]:
+    async def messages(self) -> AsyncIterator:
         yield node_pb2.KvPushMessage(header=self.header)
         while True:
             item = await self._queue.get()
@@ -61,10 +64,15 @@ class PushSender:
                 _, layer, dst, k, v, ready = item
                 if ready is not None:
                     await asyncio.to_thread(ready.synchronize)
-                for chunk in layer_chunks(layer, dst, k, v, self.dtype, self.chunk_bytes):
+                for meta, part in layer_chunk_parts(layer, dst, k, v, self.dtype,
+                                                    self.chunk_bytes):
                     self.num_chunks += 1
-                    self.num_bytes += len(chunk.data)
-                    yield node_pb2.KvPushMessage(chunk=chunk)
+                    self.num_bytes += part.numel() * part.element_size()
+                    if self.raw_payload:
+                        yield node_pb2.KvPushMessage(chunk=meta), tensor_view(part)
+                    else:
+                        meta.data = tensor_bytes(part)
+                        yield node_pb2.KvPushMessage(chunk=meta)
                 self.blocks_pushed.update(dst)
             elif kind == "done":
                 _, token, entry = item

@@ -83,9 +83,10 @@ def test_node_registers_and_leaves_on_sigterm_or_lease_expiry(etcd, start_node, 
     asyncio.run(body())
 
 
-def test_pd_over_grpc_equals_single_node_llm(etcd, start_node, folder):
+@pytest.mark.parametrize("kv_transport", ["grpc", "tcp"])
+def test_pd_over_grpc_equals_single_node_llm(etcd, start_node, folder, kv_transport):
     decode = start_node("decode", *_node_args(folder, etcd))
-    prefill = start_node("prefill", *_node_args(folder, etcd))
+    prefill = start_node("prefill", *_node_args(folder, etcd), "--kv-transport", kv_transport)
     decode.wait_ready()
     prefill.wait_ready()
     prompts = random_prompts(5, [3, 8, 13, 21, 40], 320, seed=11)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -71,12 +72,14 @@ def test_pd_2x2_equals_single_node_llm(cluster, llm):
 
 def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
     prompt = [11, 12, 13, 14, 15, 16, 17]
-    want_tokens, want_text, want_finish = reference(llm, Req("http", prompt, 300))
+    want_tokens, want_text, want_finish = reference(llm, Req("http", prompt, 480))
+    # 480 tokens after a 7-token prompt (the model allows 512), the kill after the first
+    # 3 arrive: the decode node is still generating when it dies, even on a loaded machine
     killed: list[str] = []
 
     async def body():
         tokens, text, finish = [], "", None
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0,
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 480, "temperature": 0,
                 "stream": True, "return_token_ids": True}
         async with ClientSession() as http, \
                 http.post(cluster.http_url + "/v1/completions", json=body) as resp:
@@ -91,7 +94,7 @@ def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
                 tokens += choice["token_ids"]
                 text += choice["text"]
                 finish = choice["finish_reason"] or finish
-                if len(tokens) >= 10 and not killed:
+                if len(tokens) >= 3 and not killed:
                     busy = [n for n, v in (await asyncio.to_thread(
                         _inflight, cluster.http_url)).items()
                         if n.startswith("decode") and v > 0]
@@ -104,10 +107,11 @@ def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
 
     tokens, text, finish = asyncio.run(body())
     assert killed, "the request finished before a node could be killed"
-    assert len(tokens) == len(want_tokens) == 300
+    assert len(tokens) == len(want_tokens) == 480
     assert tokens == want_tokens and text == want_text and finish == want_finish
     metrics = scrape(cluster.http_url)
-    assert "pdserve_router_replays_total 1.0" in metrics
+    replays = float(re.search(r"^pdserve_router_replays_total (\S+)$", metrics, re.M)[1])
+    assert replays >= 1, cluster.router.log_tail()
     assert killed[0] not in metric_values(metrics, "pdserve_node_free_kv_blocks")
 
 

@@ -32,11 +32,21 @@ class FakeContext:
 
 
 class PdPair:
-    def __init__(self, folder, prefill_opts: dict, decode_opts: dict, lease_s: float = 30.0):
+    def __init__(self, folder, prefill_opts: dict, decode_opts: dict, lease_s: float = 30.0,
+                 tcp: bool = False):
+        """tcp=True: KV goes over the raw-TCP data plane (real loopback sockets) instead of
+        the in-process fake; abort notices still go through the fake."""
         self.transport = InProcessTransport()
+        self.tcp = tcp
+        push_transport = self.transport
+        if tcp:
+            from cluster.kv_transfer.tcp_transport import TcpTransport
+            push_transport = TcpTransport()
+            push_transport.abort_reservation = self.transport.abort_reservation
         self.prefill = PrefillNode(EngineConfig(model=str(folder), **prefill_opts),
-                                   self.transport, chunk_bytes=1024)
-        self.decode = DecodeNode(EngineConfig(model=str(folder), **decode_opts), lease_s=lease_s)
+                                   push_transport, chunk_bytes=1024)
+        self.decode = DecodeNode(EngineConfig(model=str(folder), **decode_opts), lease_s=lease_s,
+                                 kv_tcp_listen="127.0.0.1:0" if tcp else None)
         svc = self.decode.service
         self.transport.attach(DECODE_ADDRESS, svc.push_handler,
                               on_abort=lambda req: svc.AbortReservation(req, FakeContext()))
@@ -44,6 +54,9 @@ class PdPair:
     def start(self) -> None:
         self.prefill.start()
         self.decode.start()
+        if self.tcp:
+            self.prefill.transport._data_address[DECODE_ADDRESS] = \
+                self.decode.service.kv_tcp_address
 
     async def stop(self) -> None:
         await self.prefill.stop()

@@ -28,8 +28,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _with_pair(folder, body, prefill_opts=None, decode_opts=None, lease_s=30.0):
-    pair = PdPair(folder, prefill_opts or OPTS, decode_opts or OPTS, lease_s)
+async def _with_pair(folder, body, prefill_opts=None, decode_opts=None, lease_s=30.0,
+                     tcp=False):
+    pair = PdPair(folder, prefill_opts or OPTS, decode_opts or OPTS, lease_s, tcp=tcp)
     pair.start()
     start = pair.free_blocks()
     try:
@@ -40,7 +41,8 @@ async def _with_pair(folder, body, prefill_opts=None, decode_opts=None, lease_s=
     assert not pair.decode.receiver.reservations
 
 
-def test_pd_greedy_equals_single_node_llm(folder):
+@pytest.mark.parametrize("tcp", [False, True], ids=["inproc", "tcp-data-plane"])
+def test_pd_greedy_equals_single_node_llm(folder, tcp):
     prompts = random_prompts(6, [1, 4, 5, 9, 17, 33], 320, seed=3)
     prompts.append(prompts[4][:12] + [7, 8, 9])       # shares a prefix: decode cache hit
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
@@ -56,7 +58,7 @@ def test_pd_greedy_equals_single_node_llm(folder):
             assert finish == w.finish_reason
             assert [e[t] for e, t in zip(lps, tokens, strict=True)] == pytest.approx(
                 [e[t] for e, t in zip(w.logprobs, w.token_ids, strict=True)], abs=1e-6)
-    run(_with_pair(folder, body))
+    run(_with_pair(folder, body, tcp=tcp))
 
 
 def test_fingerprint_mismatch_is_refused_naming_the_field(folder):
@@ -152,3 +154,19 @@ def test_unknown_reservation_push_is_not_found(folder):
             await pair.transport.push(DECODE_ADDRESS, messages())
         assert info.value.code == grpc.StatusCode.NOT_FOUND and "nope" in info.value.message
     run(_with_pair(folder, body))
+
+
+def test_tcp_data_plane_refusal_carries_the_status(folder):
+    """A refusal on the raw-TCP data plane reaches the prefill caller with the decode
+    node's status and message, and the reservation is released."""
+    def tamper(req):
+        req.block_ids[-1] = 95                      # a block not reserved for this push
+
+    async def body(pair):
+        with pytest.raises(RpcError) as info:
+            await asyncio.wait_for(pair.generate("r", list(range(3, 20)),
+                                                 SamplingParams(temperature=0.0),
+                                                 prefill_tamper=tamper), 10)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "[95] are not reserved for this push" in info.value.details
+    run(_with_pair(folder, body, tcp=True))
