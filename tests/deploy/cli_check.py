@@ -203,6 +203,8 @@ def check_node(c: ContainerView, args: argparse.Namespace) -> list[str]:
     if args.node_id is None or not args.node_id.startswith(c.workload["metadata"]["name"]):
         problems.append(f"{c.where}: --node-id {args.node_id!r} is not the pod name")
     problems += _check_grace(c, args.drain_timeout, "--drain-timeout")
+    if role == "decode":
+        problems += _check_kv_tcp(c, args)
     device = args.device.split(":")[0]
     limits = c.container.get("resources", {}).get("limits", {})
     for dev, resource in DEVICE_RESOURCES.items():
@@ -212,6 +214,26 @@ def check_node(c: ContainerView, args: argparse.Namespace) -> list[str]:
     if role not in ("prefill", "decode"):
         problems.append(f"{c.where}: unexpected node role {role}")
     return problems
+
+
+def kv_tcp_port(args: argparse.Namespace) -> int | None:
+    """The decode node's raw-TCP KV data plane port; None when it is off."""
+    value = str(args.kv_tcp_listen).strip().lower()
+    if value in ("", "none", "off"):
+        return None
+    if value == "auto":
+        return 0
+    return split_address(args.kv_tcp_listen)[1]
+
+
+def _check_kv_tcp(c: ContainerView, args: argparse.Namespace) -> list[str]:
+    port = kv_tcp_port(args)
+    if port is None:
+        return []
+    if port == 0:
+        return [f"{c.where}: --kv-tcp-listen {args.kv_tcp_listen} picks a random port, which "
+                f"no containerPort or NetworkPolicy can name; give it a fixed port"]
+    return _check_listen(c, "--kv-tcp-listen", args.kv_tcp_listen)
 
 
 def check_model_mount(c: ContainerView, folder: str, writable: bool) -> list[str]:

@@ -14,11 +14,19 @@ import pytest
 from tests.deploy.cli_check import (
     CliRejected,
     check_container,
+    kv_tcp_port,
     parse_pdserve,
     split_address,
 )
 from tests.deploy.conftest import RENDERED_NAMES
-from tests.deploy.manifests import containers, find, one, pdserve_containers
+from tests.deploy.manifests import (
+    containers,
+    find,
+    labels_match,
+    one,
+    pdserve_containers,
+    workloads,
+)
 
 ROLES = ("router", "prefill", "decode")
 
@@ -77,6 +85,26 @@ def test_node_network_policy_opens_the_listen_ports(rendered, name):
     policy = one(objects, "NetworkPolicy", "pdserve-nodes-from-cluster")
     allowed = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
     assert allowed == listen
+
+
+@pytest.mark.parametrize("name", RENDERED_NAMES)
+def test_prefill_pushes_kv_over_the_decode_tcp_plane_the_policy_opens(rendered, name):
+    objects = rendered[name]
+    parsed = _parsed(objects)
+    (_, prefill), = parsed["prefill"]
+    (_, decode), = parsed["decode"]
+    assert prefill.kv_transport == "tcp"
+    port = kv_tcp_port(decode)
+    assert port and port != split_address(decode.listen)[1]
+    policy = one(objects, "NetworkPolicy", "pdserve-decode-kv-from-prefill")["spec"]
+    assert [p["port"] for rule in policy["ingress"] for p in rule["ports"]] == [port]
+    prefill_pods = policy["ingress"][0]["from"][0]["podSelector"]
+    pods = {w["metadata"]["name"] for w, t in workloads(objects)
+            if labels_match(prefill_pods, t["metadata"]["labels"])}
+    assert pods == {"pdserve-prefill"}
+    decode_pods = {w["metadata"]["name"] for w, t in workloads(objects)
+                   if labels_match(policy["podSelector"], t["metadata"]["labels"])}
+    assert decode_pods == {"pdserve-decode"}
 
 
 def test_accelerator_overlays_select_their_device(rendered):
@@ -176,6 +204,8 @@ def test_a_router_value_it_refuses_is_reported(rendered):
      "--device cpu but limits nvidia.com/gpu=1"),
     (lambda c, s: c.__setitem__("volumeMounts", c["volumeMounts"][1:]),
      "is on no volume"),
+    (lambda c, s: c["args"].__setitem__(6, "auto"), "picks a random port"),
+    (lambda c, s: c["ports"].pop(1), "--kv-tcp-listen port 50072 is not a containerPort"),
 ])
 def test_a_node_mismatch_is_reported(rendered, mutate, match):
     objects = _with(rendered["cpu-dev"], "pdserve-decode", mutate)
