@@ -78,6 +78,12 @@ class RotaryEmbedding(nn.Module):
         passes the same positions tensor: the gather runs once per forward, keyed on the
         tensor and its version counter (in-place writes, e.g. a graph's persistent buffer
         refilled for the next replay, bump it)."""
+        if positions.is_inference():
+            # made under inference_mode (the speculative worker's inputs): no version
+            # counter to key the cache on, so no caching (an in-place refill could not be
+            # told apart)
+            return (self.cos[positions].to(dtype).unsqueeze(1),
+                    self.sin_signed[positions].to(dtype).unsqueeze(1))
         key = (positions, positions._version, dtype)
         c = self._cached
         if c is not None and c[0] is key[0] and c[1:3] == key[1:]:
