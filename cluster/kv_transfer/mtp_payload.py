@@ -40,6 +40,8 @@ def _tensor(data: bytes, dtype: str, shape: list[int], what: str) -> torch.Tenso
     if len(data) != nbytes:
         raise PushRejected(f"MTP {what}: {len(data)} bytes for shape {shape} {dtype}, "
                            f"expected {nbytes}")
+    if nbytes == 0:     # no pushed blocks (frombuffer refuses an empty buffer)
+        return torch.empty(shape, dtype=t)
     return tensor_from_bytes(data, t, shape)
 
 
