@@ -88,6 +88,9 @@ class Device:
 
     def __init__(self, spec: str):
         self.torch_device = torch.device(spec)
+        if self.torch_device.type == "cpu":
+            from engine.host_allocator import keep_large_allocations_in_heap
+            keep_large_allocations_in_heap()
         self.type = self.torch_device.type
         if self.type == "npu":
             import torch_npu  # noqa: F401  (registers torch.npu)
