@@ -80,4 +80,7 @@ class GraphOptions:
             padding=config.graph_padding,
             batch_sizes=config.graph_batch_sizes,
             warmup_batch_sizes=config.graph_warmup_batch_sizes,
+            # a speculative verify replays k+1 rows per sequence through the same buffers
+            max_tokens_per_seq=(config.num_speculative_tokens + 1
+                                if getattr(config, "speculative_method", None) else 1),
         )

@@ -3,8 +3,11 @@
 Each sequence contributes a run of rows (given tokens at consecutive positions), addressed
 through its block table, so the result is an ordinary ForwardInput: single-row runs become
 decode rows (batched attention), longer runs extend rows (attention over the cached
-context plus the causal run). Rows keep the seed's order (decodes first); `layout` says
-where each run landed.
+context plus the causal run). When every run has the same length Q > 1 (a verify where
+all sequences draft k tokens: Q = k+1), all runs are decode-like rows instead, Q per
+sequence (num_decode_tokens = B*Q): the batched decode attention handles the causal
+offset, and the graph executor replays the batch under GraphKey(bucket*Q, Q). Rows keep
+the seed's order (decodes first); `layout` says where each run landed.
 
 The verify input is the seed's placeholder form: [current, -1, -2, ...] per sequence, the
 placeholders then replaced by the draft tokens (`fill_placeholders`).
@@ -67,6 +70,8 @@ def build_runs(runs: list[RowRun], block_size: int) -> tuple[ForwardInput, RunLa
             selected.append(row_start[i] + n - 1)
             selected_ids.append(r.seq.seq_id)
     i32 = torch.int32
+    if _uniform_length(runs) > 1:       # every run decode-like, Q rows each
+        singles, multis = order, []
     width = max((len(t) for t in tables), default=0)
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
@@ -77,7 +82,8 @@ def build_runs(runs: list[RowRun], block_size: int) -> tuple[ForwardInput, RunLa
         paged_kv_indptr=torch.tensor(_cumsum0([len(t) for t in tables]), dtype=i32),
         paged_kv_indices=torch.tensor(list(chain.from_iterable(tables)), dtype=i32),
         paged_kv_last_page_len=torch.tensor(last_page, dtype=i32),
-        num_decodes=len(singles), num_prefills=len(multis), num_decode_tokens=len(singles),
+        num_decodes=len(singles), num_prefills=len(multis),
+        num_decode_tokens=sum(len(runs[i].tokens) for i in singles),
         num_padding=0, query_lens_host=q_lens, context_lens_host=ctx_lens,
         seq_lens_host=seq_lens,
     )
@@ -107,6 +113,12 @@ def fill_placeholders(fi: ForwardInput, layout: RunLayout, draft_tokens: list[li
             fi.token_ids[s:s + len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
     if bool((fi.token_ids < 0).any()):
         raise RuntimeError("verify input still holds placeholders after filling the drafts")
+
+
+def _uniform_length(runs: list[RowRun]) -> int:
+    """The common row count of all runs, 0 when they differ (or there are none)."""
+    lengths = {len(r.tokens) for r in runs}
+    return lengths.pop() if len(lengths) == 1 else 0
 
 
 def _cumsum0(values: list[int]) -> list[int]:
