@@ -64,7 +64,7 @@ class GraphOptions:
     block_size: int
     padding: bool = True
     batch_sizes: tuple[int, ...] | None = None   # explicit buckets instead of the ladder
-    max_tokens_per_seq: int = 1          # > 1 once speculative verify runs through graphs
+    max_tokens_per_seq: int = 1          # k+1 with MTP: verify batches replay too
     warmup_batch_sizes: tuple[int, ...] = ()     # captured at start, largest first
 
     @property
