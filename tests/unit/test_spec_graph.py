@@ -215,3 +215,36 @@ def test_padding_sequences_stay_finite():
         attn = SdpaAttention(0.3)
         attn.cpu_grouped_decode = grouped
         assert torch.isfinite(attn(q, k, v, kc, vc, meta)).all()
+
+
+def test_verify_forward_has_no_data_dependent_ops():
+    """The verify graph's forward (4 rows per sequence over the persistent buffers) and the
+    grouped CPU attention run on the meta device, where a host sync or a value-dependent
+    shape raises: fixed shapes, the mask from the seq_lens tensor."""
+    from engine.executor.graph_buckets import GraphKey
+    from engine.executor.graph_buffers import GraphBuffers
+    from engine.kv_cache import KVCache
+    from engine.layers.sdpa_attention import verify_kv_lens
+    from engine.models.decoder import DecoderForCausalLM
+    from engine.models.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 128})
+    meta = torch.device("meta")
+    with meta:
+        model = DecoderForCausalLM(cfg)
+    kv = KVCache(2, 40, 16, 2, 8, torch.float32, meta)
+    buf = GraphBuffers(8, 4, 8, 16, cfg.hidden_size, torch.float32, meta)
+    key = GraphKey(32, 4)
+    with torch.inference_mode():
+        hidden = model(buf.token_ids[:32], buf.positions[:32], kv, buf.metadata(key))
+        assert hidden.shape == (32, cfg.hidden_size) and hidden.device.type == "meta"
+        b, hk, g, rows, d, span = 8, 2, 2, 4, 8, 128
+        q = torch.empty(b * rows, hk * g, d, device=meta)
+        keys = torch.empty(b, hk, span, d, device=meta)
+        lens = verify_kv_lens(buf.seq_lens[:b], rows)
+        mask = torch.arange(span, device=meta)[None, None, :] < lens[:, :, None]
+        out = SdpaAttention(0.3)._decode_grouped(q, keys, keys, mask, rows)
+        assert out.shape == (b * rows, hk * g, d)
