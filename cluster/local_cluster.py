@@ -75,6 +75,8 @@ class LocalClusterConfig:
     cluster: str = "local"
     policy: str | None = None
     node_args: list[str] = field(default_factory=list)     # extra engine flags for nodes
+    prefill_args: list[str] = field(default_factory=list)  # ... for prefill nodes only
+    decode_args: list[str] = field(default_factory=list)   # ... for decode nodes only
     router_args: list[str] = field(default_factory=list)
     lease_ttl: int = 3
     run_dir: Path | None = None
@@ -114,7 +116,9 @@ class LocalCluster:
         cmd = self._cli(role, "--listen", f"127.0.0.1:{free_port()}", "--etcd",
                         self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id", name,
                         "--lease-ttl", str(self.config.lease_ttl), "--ready-file", str(ready),
-                        "--model", self.config.model, *self.config.node_args)
+                        "--model", self.config.model, *self.config.node_args,
+                        *(self.config.decode_args if role == "decode"
+                          else self.config.prefill_args))
         child = Child(name, cmd, self.run_dir / f"{name}.log", ready).start(self.env)
         self.nodes.append(child)
         return child

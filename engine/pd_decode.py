@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.engine_core import LLMEngine
+from engine.pd_mtp import check_handoff, install_handoff
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 
@@ -177,9 +178,10 @@ class KvReceiver:
             res.chunks_received += 1
 
     def complete(self, reservation_id: str, first_token: int,
-                 first_logprob: dict[int, float] | None = None) -> Sequence:
+                 first_logprob: dict[int, float] | None = None, mtp=None) -> Sequence:
         """All KV arrived: admit the sequence with its first token into the running batch.
-        An incomplete push is refused and releases the reservation."""
+        An incomplete push is refused and releases the reservation. mtp: the prefill's
+        engine.pd_mtp.MtpHandoff, installed for this engine's MTP draft (if it has one)."""
         eng = self.engine
         with self.lock:
             res = self.get(reservation_id)
@@ -192,6 +194,11 @@ class KvReceiver:
                 if not 0 <= first_token < eng.vocab_size:
                     self._release_locked(res, "bad first token")
                     raise PushRejected(f"first token {first_token} is outside the vocabulary")
+                bad_mtp = None if mtp is None else check_handoff(eng, mtp,
+                                                                 len(res.push_block_ids))
+                if bad_mtp is not None:
+                    self._release_locked(res, "bad MTP payload")
+                    raise PushRejected(bad_mtp)
                 res.released = True     # ownership of the blocks moves to the sequence
                 del self.reservations[reservation_id]
             seq = res.seq
@@ -204,6 +211,8 @@ class KvReceiver:
             eng.counters["prompt_tokens"] += seq.num_prompt_tokens
             eng.counters["generated_tokens"] += 1
             seq.status = SequenceStatus.RUNNING
+            if mtp is not None:
+                install_handoff(eng, seq, mtp, res.push_block_ids)
             eng.scheduler.running.append(seq)
             eng.scheduler.check_stop(seq, eng.eos_token_ids)   # may finish it right away
         log.info("request %s: KV complete (%d chunks, %d bytes), admitted with first token %d",

@@ -62,4 +62,8 @@ def engine_fingerprint(engine) -> Fingerprint:
                        dtype=str(engine.dtype).removeprefix("torch."),
                        block_size=engine.config.block_size, kv_layout=KV_LAYOUT,
                        num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-                       head_dim=mc.head_dim)
+                       head_dim=mc.head_dim,
+                       mtp_enabled=engine.config.speculative_method == "mtp",
+                       mtp_num_speculative_tokens=(engine.config.num_speculative_tokens
+                                                   if engine.config.speculative_method else 0),
+                       mtp_num_draft_layers=1 if engine.config.speculative_method else 0)

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from engine.engine_core import LLMEngine
+from engine.pd_mtp import MtpCollector, MtpHandoff
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -33,7 +34,9 @@ class KvSink(Protocol):
         """k, v: [len(dst_block_ids), block_size, kv_heads, head_dim] host tensors; when
         `ready` is not None it is a device event to synchronize before reading them."""
 
-    def on_first_token(self, token_id: int, logprob: dict[int, float] | None) -> None: ...
+    def on_first_token(self, token_id: int, logprob: dict[int, float] | None,
+                       mtp: MtpHandoff | None = None) -> None:
+        """mtp: what the decode node's MTP draft needs (when this engine runs MTP)."""
 
     def on_error(self, exc: BaseException) -> None: ...
 
@@ -44,6 +47,8 @@ class PushJob:
     dst_block_ids: list[int]     # decode-side ids for every prompt block
     next_block: int              # prompt-block index of the next block to push
     sink: KvSink
+    num_skip_blocks: int = 0
+    mtp_src_blocks: list[int] | None = None   # set in the step that completes the prompt
 
 
 def first_token_params(params: SamplingParams) -> SamplingParams:
@@ -62,6 +67,7 @@ class PdPrefillEngine(LLMEngine):
     def __init__(self, config):
         super().__init__(config)
         self.push_jobs: dict[int, PushJob] = {}      # seq_id -> job
+        self.mtp = MtpCollector(self)                # the MTP handoff, when MTP is on
 
     def add_push_request(self, request_id: str, prompt_token_ids: list[int],
                          params: SamplingParams, dst_block_ids: list[int],
@@ -75,7 +81,9 @@ class PdPrefillEngine(LLMEngine):
             raise ValueError(f"request {request_id}: num_cached_blocks {num_skip_blocks} "
                              f"outside [0, {need}]")
         seq = self.add_request(request_id, prompt_token_ids, first_token_params(params))
-        self.push_jobs[seq.seq_id] = PushJob(seq, list(dst_block_ids), num_skip_blocks, sink)
+        self.push_jobs[seq.seq_id] = PushJob(seq, list(dst_block_ids), num_skip_blocks, sink,
+                                             num_skip_blocks)
+        self.mtp.watch(seq.seq_id)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -102,7 +110,10 @@ class PdPrefillEngine(LLMEngine):
             if job is None:
                 continue
             entry = seq.logprobs[0] if seq.logprobs else None
-            job.sink.on_first_token(seq.output_token_ids[0], entry)
+            mtp = None
+            if job.mtp_src_blocks is not None:
+                mtp = self.mtp.take(seq, job.mtp_src_blocks)
+            job.sink.on_first_token(seq.output_token_ids[0], entry, mtp)
             self.release(seq.request_id)
         return grew
 
@@ -117,6 +128,10 @@ class PdPrefillEngine(LLMEngine):
             end = seq.num_cached_tokens + n
             prompt_len = seq.num_prompt_tokens
             upto = -(-end // bs) if end >= prompt_len else end // bs
+            if end >= prompt_len and self.mtp.enabled:   # this node's ids of the pushed
+                # blocks, kept now: the draft KV is read after the step has finished the
+                # sequence and freed its block table
+                job.mtp_src_blocks = list(seq.block_table[job.num_skip_blocks:upto])
             if upto > job.next_block:
                 src = seq.block_table[job.next_block:upto]
                 dst = job.dst_block_ids[job.next_block:upto]
@@ -161,6 +176,7 @@ class PdPrefillEngine(LLMEngine):
 
     def _fail(self, job: PushJob, exc: BaseException) -> None:
         self.push_jobs.pop(job.seq.seq_id, None)
+        self.mtp.forget(job.seq.seq_id)
         try:
             job.sink.on_error(exc)
         except Exception:  # noqa: BLE001 - a sink must not take the engine down

@@ -49,6 +49,32 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
              help="disable the prefix cache")
     env_argument(eng, "--seed", "PDSERVE_SEED", default=0, type=int)
 
+    fast = p.add_argument_group("graphs and speculative decoding")
+    env_flag(fast, "--enable-graph", "PDSERVE_ENABLE_GRAPH",
+             help="replay captured graphs for decode batches")
+    env_argument(fast, "--graph-max-batch-size", "PDSERVE_GRAPH_MAX_BATCH_SIZE", default=None,
+                 type=int, metavar="N",
+                 help="larger decode batches run eagerly (default: --max-num-seqs)")
+    env_argument(fast, "--speculative-method", "PDSERVE_SPECULATIVE_METHOD", default="none",
+                 type=speculative_method, metavar="none|mtp",
+                 help="speculative decoding (mtp: the model's MTP head or --speculative-model)")
+    env_argument(fast, "--num-speculative-tokens", "PDSERVE_NUM_SPECULATIVE_TOKENS", default=1,
+                 type=int, metavar="K", help="draft tokens per step")
+    env_argument(fast, "--speculative-model", "PDSERVE_SPECULATIVE_MODEL", default=None,
+                 metavar="DIR", help="a separate MTP draft folder")
+
+
+SPECULATIVE_METHODS = {"none": None, "mtp": "mtp"}
+
+
+def speculative_method(value: str) -> str:
+    """argparse type: a known method name (lower-cased), else ValueError naming the choices."""
+    name = value.strip().lower()
+    if name not in SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-method must be one of {sorted(SPECULATIVE_METHODS)}, "
+                         f"got {value!r}")
+    return name
+
 
 def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the parsed flags (ValueError names a bad value)."""
@@ -64,4 +90,10 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
-                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        enable_graph=args.enable_graph,
+                        graph_max_batch_size=args.graph_max_batch_size,
+                        speculative_method=SPECULATIVE_METHODS[
+                            speculative_method(args.speculative_method)],
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        speculative_model=args.speculative_model)

@@ -17,6 +17,7 @@ HELP = "run a local PD cluster (etcd + prefill/decode nodes + router) until Ctrl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from cluster.commands.node_options import speculative_method
     from router.policies import DEFAULT_POLICY, POLICIES
 
     p.add_argument("--model", default=None, metavar="DIR",
@@ -31,8 +32,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "float16"])
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
+    p.add_argument("--enable-graph", action="store_true",
+                   help="decode nodes replay captured graphs for decode batches")
+    p.add_argument("--speculative-method", default="none", type=speculative_method,
+                   metavar="none|mtp", help="speculative decoding on the decode nodes (the "
+                   "prefill nodes run the MTP draft over the prompt for them)")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, metavar="K",
+                   help="draft tokens per decode step")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for everything to be ready")
+
+
+def speculative_args(args: argparse.Namespace) -> list[str]:
+    """MTP flags for the nodes. Both roles get them: the prefill node runs the draft over
+    the prompt and pushes its KV + the last hidden state, and the KV fingerprint (which
+    includes the MTP config) must match on both sides."""
+    if args.speculative_method == "none":
+        return []
+    if not 1 <= args.num_speculative_tokens <= 16:
+        raise CliError(f"--num-speculative-tokens must be in [1, 16], "
+                       f"got {args.num_speculative_tokens}")
+    return ["--speculative-method", args.speculative_method,
+            "--num-speculative-tokens", str(args.num_speculative_tokens)]
 
 
 def _banner(cluster, model_name: str) -> str:
@@ -71,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
             http_port=args.http_port, grpc_port=args.grpc_port, policy=args.policy,
             node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
                        str(args.max_num_seqs), "--kv-cache-memory-gb",
-                       str(args.kv_cache_memory_gb)])
+                       str(args.kv_cache_memory_gb)],
+            prefill_args=speculative_args(args),
+            decode_args=speculative_args(args) + (
+                ["--enable-graph"] if args.enable_graph else []))
         cluster = LocalCluster(config)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from cluster.kv_transfer.base import PushFailed
+from cluster.kv_transfer.mtp_payload import handoff_from_proto
 from cluster.proto_convert import fingerprint_from_proto, logprob_from_proto
 from engine.pd_decode import KvReceiver, PushRejected, UnknownReservation
 from engine.pd_fingerprint import Fingerprint
@@ -74,8 +75,10 @@ class PushHandler:
                                            f"{chunks} arrived")
                     lp = logprob_from_proto(done.first_logprob) \
                         if done.HasField("first_logprob") else None
+                    mtp = handoff_from_proto(done.mtp, res.push_block_ids) \
+                        if done.HasField("mtp") else None
                     seq = await asyncio.to_thread(self.receiver.complete, header.reservation_id,
-                                                  done.first_token_id, lp)
+                                                  done.first_token_id, lp, mtp)
                     if self.on_admitted is not None:
                         await self.on_admitted(seq)
                     return node_pb2.PushAck(bytes_received=res.bytes_received,

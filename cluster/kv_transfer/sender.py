@@ -11,6 +11,7 @@ import torch
 
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES
 from cluster.kv_transfer.codec import layer_chunk_parts, tensor_bytes, tensor_view
+from cluster.kv_transfer.mtp_payload import handoff_to_proto
 from cluster.proto_convert import logprob_to_proto
 from protos import node_pb2
 
@@ -44,8 +45,9 @@ class PushSender:
                  v: torch.Tensor, ready: object | None) -> None:
         self._put(("layer", layer, dst_block_ids, k, v, ready))
 
-    def on_first_token(self, token_id: int, logprob: dict[int, float] | None) -> None:
-        self._put(("done", token_id, logprob))
+    def on_first_token(self, token_id: int, logprob: dict[int, float] | None,
+                       mtp=None) -> None:
+        self._put(("done", token_id, logprob, mtp))
 
     def on_error(self, exc: BaseException) -> None:
         self._put(("error", exc))
@@ -75,11 +77,13 @@ class PushSender:
                         yield node_pb2.KvPushMessage(chunk=meta)
                 self.blocks_pushed.update(dst)
             elif kind == "done":
-                _, token, entry = item
+                _, token, entry, mtp = item
                 self.first_token, self.first_logprob = token, entry
                 done = node_pb2.PushDone(first_token_id=token, num_chunks=self.num_chunks)
                 if entry is not None:
                     done.first_logprob.CopyFrom(logprob_to_proto(token, entry))
+                if mtp is not None:     # the decode node's draft starts from it
+                    done.mtp.CopyFrom(handoff_to_proto(mtp, list(self.header.block_ids)))
                 self.token_ready.set()
                 yield node_pb2.KvPushMessage(done=done)
                 return

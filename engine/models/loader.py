@@ -77,19 +77,27 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         if name == "lm_head.weight" and "lm_head.weight" not in handles:
             missing.append("lm_head.weight (and tie_word_embeddings is false)")
             continue
-        absent = [n for n in names if n not in handles]
-        if absent:
-            missing.extend(absent)
-            continue
-        tensors = [handles[n].get_tensor(n) for n in names]
-        value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-        if value.shape != param.shape:
-            raise ValueError(f"weight {'+'.join(names)} has shape {tuple(value.shape)}, the "
-                             f"config implies {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(value.to(dtype))
+        missing.extend(copy_weight(param, names, handles, dtype))
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
                                           if len(missing) > 8 else "")
         raise ValueError(f"model folder {folder} is missing weights: {shown}")
     return model.eval(), cfg
+
+
+def copy_weight(param: torch.nn.Parameter, names: list[str], handles: dict, dtype: torch.dtype,
+                what: str = "weight", config: str = "the config") -> list[str]:
+    """Copy the checkpoint tensors `names` (concatenated along dim 0 for a fused q/k/v or
+    gate/up parameter) into `param`; returns the names the checkpoint lacks (nothing is
+    copied then). A shape that disagrees with the config is an error naming the weight."""
+    absent = [n for n in names if n not in handles]
+    if absent:
+        return absent
+    tensors = [handles[n].get_tensor(n) for n in names]
+    value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    if value.shape != param.shape:
+        raise ValueError(f"{what} {'+'.join(names)} has shape {tuple(value.shape)}, "
+                         f"{config} implies {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value.to(dtype))
+    return []

@@ -31,7 +31,7 @@ from torch import nn
 from engine.layers.attention import get_attention_backend
 from engine.layers.norm import RMSNorm
 from engine.models.decoder import DecoderLayer
-from engine.models.loader import safetensors_files
+from engine.models.loader import copy_weight, safetensors_files
 from engine.models.model_config import ModelConfig
 
 # our parameter prefix -> (DeepSeek-V3 name, MiMo name) inside the MTP layer's key prefix
@@ -186,17 +186,8 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
         else:
             module, leaf = name[len("layer."):].rsplit(".", 1)
             names = [f"{prefix}{p}.{leaf}" for p in _FUSED.get(module, (module,))]
-        absent = [n for n in names if n not in handles]
-        if absent:
-            missing.extend(absent)
-            continue
-        tensors = [handles[n].get_tensor(n) for n in names]
-        value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-        if value.shape != param.shape:
-            raise ValueError(f"MTP weight {'+'.join(names)} has shape {tuple(value.shape)}, "
-                             f"the target's config implies {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(value.to(dtype))
+        missing.extend(copy_weight(param, names, handles, dtype, "MTP weight",
+                                   "the target's config"))
     if missing:
         raise ValueError(f"{folder} is missing MTP weights: {', '.join(missing[:8])}")
     if prefix + DRAFT_VOCAB_KEY in handles:

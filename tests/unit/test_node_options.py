@@ -1,0 +1,99 @@
+"""`pdserve prefill|decode` flags -> EngineConfig (graph and speculative options), env
+fallbacks, and clear errors for bad values; `pdserve up` hands them to the right nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.cli_common import CliError
+from cluster.commands.node_options import engine_config_from_args
+from cluster.commands.up import speculative_args
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+def config(*argv: str):
+    return engine_config_from_args(parse("decode", "--model", "/m", *argv))
+
+
+def test_defaults_keep_graph_and_speculation_off():
+    c = config()
+    assert (c.enable_graph, c.graph_max_batch_size) == (False, None)
+    assert (c.speculative_method, c.num_speculative_tokens, c.speculative_model) == \
+        (None, 1, None)
+
+
+def test_flags_reach_engine_config():
+    c = config("--enable-graph", "--graph-max-batch-size", "8", "--speculative-method", "MTP",
+               "--num-speculative-tokens", "3", "--speculative-model", "/draft")
+    assert (c.enable_graph, c.graph_max_batch_size) == (True, 8)
+    assert (c.speculative_method, c.num_speculative_tokens, c.speculative_model) == \
+        ("mtp", 3, "/draft")
+    assert config("--speculative-method", "none").speculative_method is None
+
+
+def test_env_variables_are_read(monkeypatch):
+    monkeypatch.setenv("PDSERVE_ENABLE_GRAPH", "1")
+    monkeypatch.setenv("PDSERVE_SPECULATIVE_METHOD", "mtp")
+    monkeypatch.setenv("PDSERVE_NUM_SPECULATIVE_TOKENS", "2")
+    monkeypatch.setenv("PDSERVE_GRAPH_MAX_BATCH_SIZE", "4")
+    c = engine_config_from_args(build_parser().parse_args(["prefill", "--model", "/m"]))
+    assert (c.enable_graph, c.graph_max_batch_size, c.speculative_method,
+            c.num_speculative_tokens) == (True, 4, "mtp", 2)
+
+
+def test_bad_values_are_named():
+    with pytest.raises(SystemExit):          # argparse usage error (exit 2)
+        parse("decode", "--speculative-method", "eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer in"):
+        config("--speculative-method", "mtp", "--num-speculative-tokens", "0")
+    with pytest.raises(ValueError, match="graph_max_batch_size must be >= 1"):
+        config("--enable-graph", "--graph-max-batch-size", "0")
+    with pytest.raises(ValueError, match="speculative_model needs speculative_method"):
+        config("--speculative-model", "/draft")
+
+
+def test_bad_env_value_is_a_cli_error(monkeypatch):
+    monkeypatch.setenv("PDSERVE_SPECULATIVE_METHOD", "medusa")
+    with pytest.raises(CliError, match="PDSERVE_SPECULATIVE_METHOD='medusa'"):
+        build_parser()
+
+
+def test_bad_value_exits_2_with_one_line(capsys):
+    from cluster.cli import main
+    assert main(["decode", "--model", "/nonexistent", "--etcd", "none",
+                 "--num-speculative-tokens", "99", "--speculative-method", "mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens must be an integer in [1, 16]" in err
+
+
+def test_up_passes_mtp_to_both_roles_and_graphs_to_decode():
+    args = parse("up", "--enable-graph", "--speculative-method", "mtp",
+                 "--num-speculative-tokens", "2")
+    assert speculative_args(args) == ["--speculative-method", "mtp",
+                                      "--num-speculative-tokens", "2"]
+    assert speculative_args(parse("up")) == []
+    with pytest.raises(CliError, match="--num-speculative-tokens"):
+        speculative_args(parse("up", "--speculative-method", "mtp",
+                               "--num-speculative-tokens", "0"))
+
+
+def test_local_cluster_puts_role_flags_on_the_right_nodes(tmp_path, monkeypatch):
+    from cluster import local_cluster
+    from cluster.local_cluster import LocalCluster, LocalClusterConfig
+
+    started = []
+    monkeypatch.setattr(local_cluster.Child, "start", lambda self, env: started.append(self)
+                        or self)
+    lc = LocalCluster(LocalClusterConfig(model="/m", run_dir=tmp_path,
+                                         prefill_args=["--speculative-method", "mtp"],
+                                         decode_args=["--enable-graph"]))
+    monkeypatch.setattr(type(lc.etcd), "endpoint", property(lambda self: "127.0.0.1:1"))
+    lc.add_node("prefill")
+    lc.add_node("decode")
+    pre, dec = (c.cmd for c in started)
+    assert "--speculative-method" in pre and "--enable-graph" not in pre
+    assert "--enable-graph" in dec and "--speculative-method" not in dec
