@@ -3,7 +3,7 @@ with its trained draft head: decode tokens/s with num_speculative_tokens k = 1, 
 off, at batch 1 and 8, with acceptance lengths and per-position acceptance rates.
 
     .venv/bin/python bench/spec_decode.py [--model DIR] [--batches 1,8] [--ks 1,2,3]
-        [--max-tokens 96] [--reps 2] [--dtype auto] [--threads 1] [--json out.json]
+        [--max-tokens 96] [--reps 2] [--dtype auto] [--threads 1] [--graph] [--json out.json]
 
 Prompts are chat requests on topics the head never saw in training (tools/train_mtp.py
 keeps its own held-out set; these are others). Greedy, ignore_eos, so every mode does the
@@ -66,6 +66,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--graph", action="store_true",
+                    help="enable_graph for every mode (verify batches replay graphs too)")
+    ap.add_argument("--graph-max-seq-len", type=int, default=512,
+                    help="with --graph: block-table width of the graphs (every replay "
+                         "attends over all of it)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -77,7 +82,9 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     modes = [0] + ks
-    llms = {k: LLM(folder, dtype=args.dtype, max_num_seqs=max(batches),
+    graph = ({"enable_graph": True, "graph_max_seq_len": args.graph_max_seq_len}
+             if args.graph else {})
+    llms = {k: LLM(folder, dtype=args.dtype, max_num_seqs=max(batches), **graph,
                    **({"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}))
             for k in modes}
     print(f"model {folder} dtype {llms[0].engine.dtype} threads {args.threads}")
@@ -119,6 +126,11 @@ def main() -> int:
     print()
     print(md_table(["batch", "mode", "tokens/s", "vs off", "acceptance length",
                     "identical to off"], rows))
+    if args.graph:      # every verify batch should replay: fallbacks are the prompts only
+        for k, llm in llms.items():
+            st = llm.stats()
+            print(f"k={k}: graph_replays {st['graph_replays']} captures "
+                  f"{st['graph_captures']} fallbacks {st['graph_fallbacks']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine_facts(), "args": vars(args),
                                                "results": results}, indent=2))

@@ -64,7 +64,7 @@ class GraphOptions:
     block_size: int
     padding: bool = True
     batch_sizes: tuple[int, ...] | None = None   # explicit buckets instead of the ladder
-    max_tokens_per_seq: int = 1          # > 1 once speculative verify runs through graphs
+    max_tokens_per_seq: int = 1          # k+1 with MTP: verify batches replay too
     warmup_batch_sizes: tuple[int, ...] = ()     # captured at start, largest first
 
     @property
@@ -80,4 +80,7 @@ class GraphOptions:
             padding=config.graph_padding,
             batch_sizes=config.graph_batch_sizes,
             warmup_batch_sizes=config.graph_warmup_batch_sizes,
+            # a speculative verify replays k+1 rows per sequence through the same buffers
+            max_tokens_per_seq=(config.num_speculative_tokens + 1
+                                if getattr(config, "speculative_method", None) else 1),
         )

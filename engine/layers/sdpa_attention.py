@@ -2,8 +2,11 @@
 
 Decode rows are batched: their blocks are gathered through the block table into
 [B, W*block_size] keys and masked by sequence length (fixed shapes for a fixed W, so the
-path is graph-safe). Prefill rows run one sequence at a time with a causal mask offset by
-the tokens already cached (prefix hits, earlier chunks).
+path is graph-safe). A decode sequence may own Q > 1 rows (a speculative verify: the
+current token and k drafts, Q = k+1, the same for every sequence): row j of a sequence
+sees a KV length of seq_len - (Q-1-j), the mask built from the seq_lens tensor. Prefill
+rows run one sequence at a time with a causal mask offset by the tokens already cached
+(prefix hits, earlier chunks).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from engine.forward_input import AttentionMetadata
 
 
 class SdpaAttention:
+    # decode on CPU through the grouped matmuls (off: the SDPA kernel, as on CUDA/NPU)
+    cpu_grouped_decode = True
+
     def __init__(self, scale: float):
         self.scale = scale
 
@@ -25,42 +31,67 @@ class SdpaAttention:
         out = torch.empty_like(q)
         num_dec = meta.num_decodes + meta.num_padding
         if num_dec:
-            out[:num_dec] = self._decode(q[:num_dec], k_cache, v_cache,
-                                         meta.block_tables[:num_dec], meta.seq_lens[:num_dec])
+            # query rows per decode sequence (1, or k+1 in a speculative verify)
+            rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
+            n = num_dec * rows
+            out[:n] = self._decode(q[:n], k_cache, v_cache, meta.block_tables[:num_dec],
+                                   meta.seq_lens[:num_dec], rows)
         if meta.num_prefills:
             self._prefill(q, k, v, k_cache, v_cache, meta, out)
         return out
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, rows: int = 1
+                ) -> torch.Tensor:
+        """q [B*rows, Hq, D], `rows` consecutive query rows per sequence -> [B*rows, Hq, D]"""
         b, w = block_tables.shape
         bs, hk, d = k_cache.shape[1:]
         idx = block_tables.reshape(-1)
         keys = k_cache.index_select(0, idx).view(b, w * bs, hk, d).transpose(1, 2)
         vals = v_cache.index_select(0, idx).view(b, w * bs, hk, d).transpose(1, 2)
-        mask = torch.arange(w * bs, device=q.device)[None, :] < seq_lens[:, None]
-        if q.device.type == "cpu":
-            return self._decode_grouped(q, keys, vals, mask)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :], scale=self.scale,
-            enable_gqa=True)
-        return o.squeeze(2)
+        span = torch.arange(w * bs, device=q.device)
+        if rows == 1:
+            mask = span[None, :] < seq_lens[:, None]                      # [B, L]
+        else:
+            mask = span[None, None, :] < verify_kv_lens(seq_lens, rows)[:, :, None]
+        if q.device.type == "cpu" and self.cpu_grouped_decode:
+            return self._decode_grouped(q, keys, vals, mask, rows)
+        if rows == 1:
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
+                scale=self.scale, enable_gqa=True)
+            return o.squeeze(2)
+        hq = q.shape[1]
+        qs = q.view(b, rows, hq, d).transpose(1, 2)                       # [B, Hq, Q, D]
+        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask[:, None],
+                                           scale=self.scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b * rows, hq, d)
 
-    def _decode_grouped(self, q, keys, vals, mask) -> torch.Tensor:
-        """One query row per sequence: two batched matmuls over [B, Hkv] with the query
-        heads of a KV head as rows. On CPU the flash kernel pays its tiling for a single
-        row and half precision adds conversions; this is ~2x faster there (measured in
-        bench/offline_throughput.py's decode step). Softmax in float32."""
+    def _decode_grouped(self, q, keys, vals, mask, rows: int = 1) -> torch.Tensor:
+        """Two batched matmuls over [B, Hkv] with the query heads of a KV head (times the
+        sequence's `rows` query rows) as rows. On CPU the flash kernel pays its tiling for
+        a few rows and half precision adds conversions; this is ~2x faster there (measured
+        in bench/offline_throughput.py's decode step). Softmax in float32."""
         b, hk = keys.shape[0], keys.shape[1]
         hq, d = q.shape[1], q.shape[2]
-        qg = q.reshape(b, hk, hq // hk, d)
+        g = hq // hk
+        if rows == 1:
+            qg = q.reshape(b, hk, g, d)
+            mask = mask[:, None, None, :]
+        else:
+            # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]: row g*Q + j is head g of query row j
+            qg = q.view(b, rows, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * rows, d)
+            mask = mask[:, None, None].expand(b, 1, g, rows, -1).reshape(b, 1, g * rows, -1)
         scores = torch.matmul(qg, keys.transpose(2, 3)).float() * self.scale
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-        return torch.matmul(probs, vals).reshape(b, hq, d)
+        o = torch.matmul(probs, vals)
+        if rows == 1:
+            return o.reshape(b, hq, d)
+        return o.view(b, hk, g, rows, d).permute(0, 3, 1, 2, 4).reshape(b * rows, hq, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
         bs, hk, d = k_cache.shape[1:]
-        tok = meta.num_decodes
+        tok = meta.num_decode_tokens
         first = meta.num_decodes
         for i in range(first, first + meta.num_prefills):
             n, ctx = meta.query_lens_host[i], meta.context_lens_host[i]
@@ -84,3 +115,11 @@ class SdpaAttention:
             out[tok:tok + n] = o[0].transpose(0, 1)
             tok += n
 
+
+
+def verify_kv_lens(seq_lens: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, rows] KV length each query row attends to: the run's rows are the sequence's
+    last `rows` tokens, so row j sees seq_len - (rows-1-j). At least 1, so padding
+    sequences (seq_len 1) never softmax over an empty row."""
+    back = torch.arange(rows - 1, -1, -1, device=seq_lens.device, dtype=seq_lens.dtype)
+    return (seq_lens[:, None] - back[None, :]).clamp_min_(1)
