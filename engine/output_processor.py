@@ -71,21 +71,7 @@ class OutputProcessor:
         new_text = d.add(new_ids)
         if final:
             new_text += d.flush()
-        stops = seq.params.stop
-        if not stops or not new_text:
-            return None
-        # a stop string may straddle old and new text: search from just before the new part
-        longest = max(len(s) for s in stops)
-        start = max(0, len(d.text) - len(new_text) - longest + 1)
-        best = None
-        for s in stops:
-            pos = d.text.find(s, start)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is None:
-            return None
-        d.text = d.text[:best[0]]
-        return best[1]
+        return d.cut_at_stop(new_text, seq.params.stop)
 
     def text(self, seq: Sequence) -> str:
         d = self._detok.get(seq.seq_id)

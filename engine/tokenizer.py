@@ -104,3 +104,21 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += new
         return new
+
+    def cut_at_stop(self, new_text: str, stops: list[str] | tuple[str, ...]) -> str | None:
+        """The earliest stop string in the text, searched from just before `new_text` (the
+        text the last add/flush returned: a stop may straddle old and new text). Cuts
+        `self.text` before it and returns it; None when no stop is found."""
+        if not stops or not new_text:
+            return None
+        longest = max(len(s) for s in stops)
+        start = max(0, len(self.text) - len(new_text) - longest + 1)
+        best = None
+        for s in stops:
+            pos = self.text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return None
+        self.text = self.text[:best[0]]
+        return best[1]

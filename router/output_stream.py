@@ -68,7 +68,7 @@ async def stream_request(backend: Backend, tok: Tokenizer, request: NodeRequest,
             finish, reason = step.finish_reason, step.stop_reason
             if finish is not None:
                 new_text += detok.flush()
-            stop = _find_stop(detok, new_text, stops)
+            stop = detok.cut_at_stop(new_text, stops)
             if stop is not None:
                 finish, reason = "stop", stop
             if finish is None:
@@ -88,19 +88,3 @@ async def stream_request(backend: Backend, tok: Tokenizer, request: NodeRequest,
         await gen.aclose()
         result.text = detok.text
 
-
-def _find_stop(detok: IncrementalDetokenizer, new_text: str, stops: list[str]) -> str | None:
-    """OutputProcessor.update's stop search; cuts detok.text before the stop found."""
-    if not stops or not new_text:
-        return None
-    longest = max(len(s) for s in stops)
-    start = max(0, len(detok.text) - len(new_text) - longest + 1)
-    best = None
-    for s in stops:
-        pos = detok.text.find(s, start)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
-    if best is None:
-        return None
-    detok.text = detok.text[:best[0]]
-    return best[1]
