@@ -28,6 +28,9 @@ def _faults(env_extra: dict) -> int:
 def test_repeated_large_allocations_reuse_heap_pages():
     with_setting = _faults({})
     without = _faults({"PDSERVE_NO_MALLOPT": "1"})
-    # 40 x 48 MB = 12288 pages each time without the setting; with it, next to none
+    # 40 x 48 MB = 12288 pages each time without the setting
     assert without > 40 * 10000, without
-    assert with_setting < without / 10, (with_setting, without)
+    # with it, most allocations reuse resident heap pages; the host's page reclaimer
+    # (DAMON on this VM) can still take back a few idle pages, so not zero: seen 0-61k
+    # against ~490k without
+    assert with_setting < without / 4, (with_setting, without)
