@@ -24,7 +24,7 @@ import torch
 
 from engine.block_manager import PADDING_BLOCK_ID
 from engine.forward_input import AttentionMetadata, ForwardInput
-from engine.sampling_metadata import SamplingMetadata
+from engine.sampling_metadata import SamplingMetadata, array_tensor
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
@@ -164,16 +164,16 @@ class BatchInputBuilder:
             flat_tables.extend(t)
             flat_tables.extend(pad_row[:width - len(t)])
             indices.extend(t)
-        block_tables = _tensor(flat_tables, torch.int32).reshape(len(tables), width)
+        block_tables = array_tensor(flat_tables, torch.int32).reshape(len(tables), width)
         blocks_per_seq = [len(t) for t in tables]
         attn = AttentionMetadata(
-            slot_mapping=_tensor(array("q", state.new_token_slot_ids), torch.int64),
-            seq_lens=_tensor(array("i", state.seq_lens), torch.int32),
-            query_start_loc=_tensor(array("i", _cumsum0(state.q_seq_lens)), torch.int32),
+            slot_mapping=array_tensor(array("q", state.new_token_slot_ids), torch.int64),
+            seq_lens=array_tensor(array("i", state.seq_lens), torch.int32),
+            query_start_loc=array_tensor(array("i", cumsum0(state.q_seq_lens)), torch.int32),
             block_tables=block_tables,
-            paged_kv_indptr=_tensor(array("i", _cumsum0(blocks_per_seq)), torch.int32),
-            paged_kv_indices=_tensor(indices, torch.int32),
-            paged_kv_last_page_len=_tensor(array("i", state.last_page_lens), torch.int32),
+            paged_kv_indptr=array_tensor(array("i", cumsum0(blocks_per_seq)), torch.int32),
+            paged_kv_indices=array_tensor(indices, torch.int32),
+            paged_kv_last_page_len=array_tensor(array("i", state.last_page_lens), torch.int32),
             num_decodes=num_decodes, num_prefills=num_prefills,
             num_decode_tokens=num_decodes, num_padding=num_padding,
             query_lens_host=state.q_seq_lens, context_lens_host=state.context_lens,
@@ -184,10 +184,10 @@ class BatchInputBuilder:
         if selected:
             sampling = self._sampling_metadata(selected)
         return ForwardInput(
-            token_ids=_tensor(array("q", state.flatten_tokens_vec), torch.int64),
-            positions=_tensor(array("q", state.flatten_positions_vec), torch.int64),
+            token_ids=array_tensor(array("q", state.flatten_tokens_vec), torch.int64),
+            positions=array_tensor(array("q", state.flatten_positions_vec), torch.int64),
             attn=attn,
-            selected_token_idxes=_tensor(array("q", state.selected_token_idxes), torch.int64),
+            selected_token_idxes=array_tensor(array("q", state.selected_token_idxes), torch.int64),
             sampling=sampling,
             selected_seq_ids=[s.seq_id for s in selected],
         )
@@ -226,12 +226,7 @@ def _table_array(seq: Sequence) -> array:
     return arr
 
 
-def _tensor(buf: array, dtype: torch.dtype) -> torch.Tensor:
-    """Zero-copy host tensor over an array (frombuffer rejects empty buffers)."""
-    return torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
-
-
-def _cumsum0(values: list[int]) -> list[int]:
+def cumsum0(values: list[int]) -> list[int]:
     out, total = [0], 0
     for v in values:
         total += v

@@ -97,13 +97,13 @@ class SamplingMetadata:
             output_t = _pad(outputs, vocab_size)
 
         return cls(
-            temperature=_wrap(temperature, torch.float32),
-            top_k=_wrap(top_k, torch.int64),
-            top_p=_wrap(top_p, torch.float32),
-            min_p=_wrap(min_p, torch.float32),
-            presence_penalty=_wrap(pres, torch.float32),
-            frequency_penalty=_wrap(freq, torch.float32),
-            repetition_penalty=_wrap(rep, torch.float32),
+            temperature=array_tensor(temperature, torch.float32),
+            top_k=array_tensor(top_k, torch.int64),
+            top_p=array_tensor(top_p, torch.float32),
+            min_p=array_tensor(min_p, torch.float32),
+            presence_penalty=array_tensor(pres, torch.float32),
+            frequency_penalty=array_tensor(freq, torch.float32),
+            repetition_penalty=array_tensor(rep, torch.float32),
             prompt_token_ids=prompt_t,
             output_token_ids=output_t,
             generators={i: g for i, g in enumerate(generators) if g is not None},
@@ -130,7 +130,8 @@ class SamplingMetadata:
         return replace(self, **moved)
 
 
-def _wrap(buf: array, dtype: torch.dtype) -> torch.Tensor:
+def array_tensor(buf: array, dtype: torch.dtype) -> torch.Tensor:
+    """Zero-copy host tensor over an array."""
     # frombuffer shares the array's memory (and keeps it alive); it rejects empty buffers.
     return torch.frombuffer(buf, dtype=dtype) if len(buf) else torch.empty(0, dtype=dtype)
 
@@ -140,9 +141,9 @@ def _pad(rows: list[list[int]], pad: int) -> torch.Tensor:
     lens_list = [len(r) for r in rows]
     n, width = len(rows), max(lens_list, default=0)
     out = torch.full((n * width,), pad, dtype=torch.int64)
-    flat = _wrap(array("q", chain.from_iterable(rows)), torch.int64)
+    flat = array_tensor(array("q", chain.from_iterable(rows)), torch.int64)
     if flat.numel():
-        lens = _wrap(array("q", lens_list), torch.int64)
+        lens = array_tensor(array("q", lens_list), torch.int64)
         # Token j of the flat list belongs at j + (row * width - row's offset in the flat list).
         shift = torch.arange(n) * width - (torch.cumsum(lens, 0) - lens)
         out[torch.arange(flat.numel()) + torch.repeat_interleave(shift, lens)] = flat

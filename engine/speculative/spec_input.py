@@ -27,6 +27,7 @@ import torch
 
 from engine.block_manager import PADDING_BLOCK_ID
 from engine.forward_input import AttentionMetadata, ForwardInput
+from engine.input_builder import cumsum0
 from engine.sequence import Sequence
 
 
@@ -94,10 +95,10 @@ def build_runs(runs: list[RowRun], block_size: int) -> tuple[ForwardInput, RunLa
     attn = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         seq_lens=torch.tensor(seq_lens, dtype=i32),
-        query_start_loc=torch.tensor(_cumsum0(q_lens), dtype=i32),
+        query_start_loc=torch.tensor(cumsum0(q_lens), dtype=i32),
         block_tables=torch.tensor([t + [PADDING_BLOCK_ID] * (width - len(t)) for t in tables],
                                   dtype=i32).reshape(len(tables), width),
-        paged_kv_indptr=torch.tensor(_cumsum0([len(t) for t in tables]), dtype=i32),
+        paged_kv_indptr=torch.tensor(cumsum0([len(t) for t in tables]), dtype=i32),
         paged_kv_indices=torch.tensor(list(chain.from_iterable(tables)), dtype=i32),
         paged_kv_last_page_len=torch.tensor(last_page, dtype=i32),
         num_decodes=len(singles), num_prefills=len(multis),
@@ -141,10 +142,3 @@ def _uniform_length(runs: list[RowRun]) -> int:
     lengths = {r.num_rows for r in runs}
     return lengths.pop() if len(lengths) == 1 else 0
 
-
-def _cumsum0(values: list[int]) -> list[int]:
-    out, total = [0], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
