@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.engine_core import LLMEngine
+from engine.kv_cache import scatter_blocks
 from engine.pd_mtp import check_handoff, install_handoff
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
@@ -86,7 +87,7 @@ class KvReceiver:
         self._ids = itertools.count()
         self._dtype_name = str(engine.dtype).removeprefix("torch.")
         kv = engine.kv_cache
-        self._block_shape = tuple(kv.k[0].shape[1:])      # (block_size, heads, head_dim)
+        self._block_shape = kv.block_shape      # (block_size, heads, head_dim): wire layout
         self._elem = torch.empty((), dtype=engine.dtype).element_size()
 
     # ---- reserve -------------------------------------------------------------------
@@ -169,10 +170,10 @@ class KvReceiver:
             cache = (self.engine.kv_cache.k if kind == KEY else self.engine.kv_cache.v)[layer]
             first = block_ids[0]
             if block_ids == list(range(first, first + len(block_ids))):   # one run: a slice
-                cache[first:first + len(block_ids)].copy_(src)
+                cache[:, first:first + len(block_ids)].copy_(src.permute(2, 0, 1, 3))
             else:
                 idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-                cache.index_copy_(0, idx, src.to(cache.device, non_blocking=False))
+                scatter_blocks(cache, idx, src.to(cache.device, non_blocking=False))
             res.pending[(layer, kind)].difference_update(block_ids)
             res.bytes_received += nbytes
             res.chunks_received += 1

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_cache import gather_blocks, scatter_blocks
 from engine.sequence import Sequence
 from engine.speculative.embedding_cache import EmbeddingCache
 
@@ -91,8 +92,8 @@ class MtpCollector:
         kv = self.worker.draft_executor.kv_cache
         idx = torch.tensor(src_block_ids, dtype=torch.long, device=kv.k[0].device)
         return MtpHandoff(hidden.reshape(1, -1).to("cpu"),
-                          kv.k[0].index_select(0, idx).to("cpu"),
-                          kv.v[0].index_select(0, idx).to("cpu"))
+                          gather_blocks(kv.k[0], idx).to("cpu"),
+                          gather_blocks(kv.v[0], idx).to("cpu"))
 
     def forget(self, seq_id: int) -> None:
         if self.enabled:
@@ -106,7 +107,7 @@ def check_handoff(engine, handoff: MtpHandoff, num_push_blocks: int) -> str | No
     if worker is None:
         return None         # no draft here: the handoff is ignored
     kv = worker.draft_executor.kv_cache
-    want_kv = (num_push_blocks, *kv.k[0].shape[1:])
+    want_kv = (num_push_blocks, *kv.block_shape)
     hidden_size = engine.model_config.hidden_size
     if tuple(handoff.hidden.shape) != (1, hidden_size):
         return f"MTP hidden state has shape {list(handoff.hidden.shape)}, " \
@@ -133,8 +134,8 @@ def install_handoff(engine, seq: Sequence, handoff: MtpHandoff,
     dev = kv.k[0].device
     if push_block_ids:
         idx = torch.tensor(push_block_ids, dtype=torch.long, device=dev)
-        kv.k[0].index_copy_(0, idx, handoff.draft_k.to(dev))
-        kv.v[0].index_copy_(0, idx, handoff.draft_v.to(dev))
+        scatter_blocks(kv.k[0], idx, handoff.draft_k.to(dev))
+        scatter_blocks(kv.v[0], idx, handoff.draft_v.to(dev))
     worker.embedding_cache.put(seq.seq_id, seq.num_prompt_tokens - 1,
                                handoff.hidden.to(dev).clone())
     return True

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from engine.engine_core import LLMEngine
+from engine.kv_cache import gather_blocks
 from engine.pd_mtp import MtpCollector, MtpHandoff
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -148,8 +149,8 @@ class PdPrefillEngine(LLMEngine):
         def make_hook(layer: int):
             def hook(module, args, output):
                 for job, src, dst in plan:
-                    k = kv.k[layer].index_select(0, src)
-                    v = kv.v[layer].index_select(0, src)
+                    k = gather_blocks(kv.k[layer], src)
+                    v = gather_blocks(kv.v[layer], src)
                     ready = None
                     if on_device:   # async copy out; the sink waits on the event
                         k, v = k.to("cpu", non_blocking=True), v.to("cpu", non_blocking=True)

@@ -1,7 +1,8 @@
 """Paged attention in plain torch: scaled_dot_product_attention over gathered blocks.
 
 Decode rows are batched: their blocks are gathered through the block table into
-[B, W*block_size] keys and masked by sequence length (fixed shapes for a fixed W, so the
+[Hkv, B, W*block_size, D] keys (the head-major cache makes that a plain gather, see
+engine/kv_cache.py) and masked by sequence length (fixed shapes for a fixed W, so the
 path is graph-safe). A decode sequence may own Q > 1 rows (a speculative verify: the
 current token and k drafts, Q = k+1, the same for every sequence): row j of a sequence
 sees a KV length of seq_len - (Q-1-j), the mask built from the seq_lens tensor. Prefill
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.forward_input import AttentionMetadata
+from engine.kv_cache import write_slots
 
 
 class SdpaAttention:
@@ -25,9 +27,8 @@ class SdpaAttention:
         self.scale = scale
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_slots(k_cache, meta.slot_mapping, k)
+        write_slots(v_cache, meta.slot_mapping, v)
         out = torch.empty_like(q)
         num_dec = meta.num_decodes + meta.num_padding
         if num_dec:
@@ -44,10 +45,10 @@ class SdpaAttention:
                 ) -> torch.Tensor:
         """q [B*rows, Hq, D], `rows` consecutive query rows per sequence -> [B*rows, Hq, D]"""
         b, w = block_tables.shape
-        bs, hk, d = k_cache.shape[1:]
+        hk, _, bs, d = k_cache.shape
         idx = block_tables.reshape(-1)
-        keys = k_cache.index_select(0, idx).view(b, w * bs, hk, d).transpose(1, 2)
-        vals = v_cache.index_select(0, idx).view(b, w * bs, hk, d).transpose(1, 2)
+        keys = k_cache.index_select(1, idx).view(hk, b, w * bs, d)       # [Hkv, B, L, D]
+        vals = v_cache.index_select(1, idx).view(hk, b, w * bs, d)
         span = torch.arange(w * bs, device=q.device)
         if rows == 1:
             mask = span[None, :] < seq_lens[:, None]                      # [B, L]
@@ -55,6 +56,7 @@ class SdpaAttention:
             mask = span[None, None, :] < verify_kv_lens(seq_lens, rows)[:, :, None]
         if q.device.type == "cpu" and self.cpu_grouped_decode:
             return self._decode_grouped(q, keys, vals, mask, rows)
+        keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)           # [B, Hkv, L, D]
         if rows == 1:
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
@@ -67,30 +69,29 @@ class SdpaAttention:
         return o.transpose(1, 2).reshape(b * rows, hq, d)
 
     def _decode_grouped(self, q, keys, vals, mask, rows: int = 1) -> torch.Tensor:
-        """Two batched matmuls over [B, Hkv] with the query heads of a KV head (times the
-        sequence's `rows` query rows) as rows. On CPU the flash kernel pays its tiling for
-        a few rows and half precision adds conversions; this is ~2x faster there (measured
-        in bench/offline_throughput.py's decode step). Softmax in float32."""
-        b, hk = keys.shape[0], keys.shape[1]
-        hq, d = q.shape[1], q.shape[2]
+        """Two batched matmuls over Hkv*B, with the query heads of a KV head (times the
+        sequence's `rows` query rows) as rows; keys/vals [Hkv, B, L, D] straight from the
+        gather. On CPU the flash kernel pays its tiling for a few rows and half precision
+        adds conversions; this is ~2x faster there (bench/offline_throughput.py's decode
+        step). Softmax in float32."""
+        hk, b, length, d = keys.shape
+        hq = q.shape[1]
         g = hq // hk
+        # [B*Q, Hkv*G, D] -> [Hkv, B, G*Q, D]: row g*Q + j is head g of query row j
+        qg = q.view(b, rows, hk, g, d).permute(2, 0, 3, 1, 4).reshape(hk * b, g * rows, d)
         if rows == 1:
-            qg = q.reshape(b, hk, g, d)
-            mask = mask[:, None, None, :]
-        else:
-            # [B*Q, Hkv*G, D] -> [B, Hkv, G*Q, D]: row g*Q + j is head g of query row j
-            qg = q.view(b, rows, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * rows, d)
-            mask = mask[:, None, None].expand(b, 1, g, rows, -1).reshape(b, 1, g * rows, -1)
-        scores = torch.matmul(qg, keys.transpose(2, 3)).float() * self.scale
+            mask = mask[None, :, None, :]                                 # [1, B, 1, L]
+        else:                                                             # [1, B, G*Q, L]
+            mask = mask[:, None].expand(b, g, rows, length).reshape(1, b, g * rows, length)
+        scores = torch.bmm(qg, keys.view(hk * b, length, d).transpose(1, 2)).float()
+        scores = scores.view(hk, b, g * rows, length).mul_(self.scale)
         scores.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-        o = torch.matmul(probs, vals)
-        if rows == 1:
-            return o.reshape(b, hq, d)
-        return o.view(b, hk, g, rows, d).permute(0, 3, 1, 2, 4).reshape(b * rows, hq, d)
+        probs = torch.softmax(scores, dim=-1).to(vals.dtype).view(hk * b, g * rows, length)
+        o = torch.bmm(probs, vals.view(hk * b, length, d)).view(hk, b, g, rows, d)
+        return o.permute(1, 3, 0, 2, 4).reshape(b * rows, hq, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
-        bs, hk, d = k_cache.shape[1:]
+        hk, _, bs, d = k_cache.shape
         tok = meta.num_decode_tokens
         first = meta.num_decodes
         for i in range(first, first + meta.num_prefills):
@@ -106,8 +107,8 @@ class SdpaAttention:
                 total = ctx + n
                 nb = -(-total // bs)
                 blocks = meta.block_tables[i, :nb]
-                ki = k_cache[blocks].view(nb * bs, hk, d)[:total].transpose(0, 1)[None]
-                vi = v_cache[blocks].view(nb * bs, hk, d)[:total].transpose(0, 1)[None]
+                ki = k_cache[:, blocks].view(hk, nb * bs, d)[None, :, :total]
+                vi = v_cache[:, blocks].view(hk, nb * bs, d)[None, :, :total]
                 rows = torch.arange(ctx, total, device=q.device)[:, None]
                 mask = torch.arange(total, device=q.device)[None, :] <= rows
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask,

@@ -152,10 +152,9 @@ def test_malformed_payload_is_refused_naming_what_is_wrong(folder):
     from engine.pd_mtp import MtpHandoff, check_handoff
 
     eng = LLMEngine(EngineConfig(model=str(folder), **MTP))
-    kv = eng.speculative.draft_executor.kv_cache.k[0]
+    block = eng.speculative.draft_executor.kv_cache.block_shape
     h = eng.model_config.hidden_size
-    good = MtpHandoff(torch.randn(1, h), torch.randn(2, *kv.shape[1:]),
-                      torch.randn(2, *kv.shape[1:]))
+    good = MtpHandoff(torch.randn(1, h), torch.randn(2, *block), torch.randn(2, *block))
     msg = handoff_to_proto(good, [5, 6])
     back = handoff_from_proto(msg, [5, 6])
     assert torch.equal(back.hidden, good.hidden) and torch.equal(back.draft_v, good.draft_v)

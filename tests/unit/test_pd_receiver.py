@@ -9,6 +9,7 @@ import torch
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.kv_cache import gather_blocks
 from engine.pd_decode import KEY, VALUE, CapacityError, KvReceiver, PushRejected, UnknownReservation
 from tests.tiny_models import make_tiny_model
 
@@ -32,7 +33,7 @@ def _greedy(n=4):
 
 
 def _chunk(rx: KvReceiver, n_blocks: int, fill: float = 1.0) -> torch.Tensor:
-    shape = (n_blocks, *rx.engine.kv_cache.k[0].shape[1:])
+    shape = (n_blocks, *rx.engine.kv_cache.block_shape)
     return torch.full(shape, fill, dtype=torch.float32)
 
 
@@ -125,9 +126,9 @@ def test_incomplete_push_is_refused_and_releases_blocks(rx):
 def test_written_bytes_land_in_the_reserved_blocks(rx):
     res = rx.reserve("a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
-    t = torch.randn(len(ids), *rx.engine.kv_cache.k[1].shape[1:])
+    t = torch.randn(len(ids), *rx.engine.kv_cache.block_shape)
     rx.write(res.reservation_id, 1, VALUE, ids, list(t.shape), "float32", _bytes(t))
-    assert torch.equal(rx.engine.kv_cache.v[1][ids], t)
+    assert torch.equal(gather_blocks(rx.engine.kv_cache.v[1], torch.tensor(ids)), t)
 
 
 def test_lease_expiry_returns_blocks(rx):

@@ -144,8 +144,9 @@ def _paged_case(seed: int, seq_lens: list[int], rows: int, hq=4, hk=2, d=8, bs=4
     g = torch.Generator().manual_seed(seed)
     b = len(seq_lens)
     nblocks = 1 + b * width
-    k_cache = torch.randn(nblocks, bs, hk, d, generator=g)
-    v_cache = torch.randn(nblocks, bs, hk, d, generator=g)
+    # the engine's head-major layout [Hk, blocks, bs, D]
+    k_cache = torch.randn(nblocks, bs, hk, d, generator=g).permute(2, 0, 1, 3).contiguous()
+    v_cache = torch.randn(nblocks, bs, hk, d, generator=g).permute(2, 0, 1, 3).contiguous()
     tables = torch.zeros(b, width, dtype=torch.int32)
     slots = []
     for i, n in enumerate(seq_lens):
@@ -168,13 +169,13 @@ def _paged_case(seed: int, seq_lens: list[int], rows: int, hq=4, hk=2, d=8, bs=4
 
 def _reference(q, k_cache, v_cache, meta, rows, scale):
     """Per sequence: its KV gathered position by position, an explicit causal mask."""
-    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    hk, bs = k_cache.shape[0], k_cache.shape[2]
     hq = q.shape[1]
     outs = []
     for i, n in enumerate(meta.seq_lens.tolist()):
         blocks = meta.block_tables[i]
-        keys = torch.stack([k_cache[blocks[p // bs], p % bs] for p in range(n)])   # [n,Hk,D]
-        vals = torch.stack([v_cache[blocks[p // bs], p % bs] for p in range(n)])
+        keys = torch.stack([k_cache[:, blocks[p // bs], p % bs] for p in range(n)])  # [n,Hk,D]
+        vals = torch.stack([v_cache[:, blocks[p // bs], p % bs] for p in range(n)])
         keys = keys.repeat_interleave(hq // hk, dim=1).transpose(0, 1)           # [Hq,n,D]
         vals = vals.repeat_interleave(hq // hk, dim=1).transpose(0, 1)
         qi = q[i * rows:(i + 1) * rows].transpose(0, 1)                           # [Hq,R,D]
@@ -195,15 +196,16 @@ def test_decode_attention_rows_per_sequence(rows, grouped):
     attn.cpu_grouped_decode = grouped
     out = attn(q, k, v, kc, vc, meta)
     # the step's K/V were written into the cache first, then attended
-    torch.testing.assert_close(kc.view(-1, 2, 8)[meta.slot_mapping], k)
+    torch.testing.assert_close(kc.view(2, -1, 8)[:, meta.slot_mapping].transpose(0, 1), k)
     ref = _reference(q, kc, vc, meta, rows, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # and it can fail: the same rows without the causal offset differ
     if rows > 1:
         flat = F.scaled_dot_product_attention(
-            q[:rows].transpose(0, 1)[None], kc[meta.block_tables[0]].view(-1, 2, 8)[
-                :rows + 1].transpose(0, 1)[None], vc[meta.block_tables[0]].view(-1, 2, 8)[
-                :rows + 1].transpose(0, 1)[None], scale=scale, enable_gqa=True)[0]
+            q[:rows].transpose(0, 1)[None],
+            kc[:, meta.block_tables[0]].reshape(2, -1, 8)[None, :, :rows + 1],
+            vc[:, meta.block_tables[0]].reshape(2, -1, 8)[None, :, :rows + 1],
+            scale=scale, enable_gqa=True)[0]
         assert not torch.allclose(flat.transpose(0, 1), ref[:rows], atol=1e-3)
 
 
@@ -243,7 +245,7 @@ def test_verify_forward_has_no_data_dependent_ops():
         assert hidden.shape == (32, cfg.hidden_size) and hidden.device.type == "meta"
         b, hk, g, rows, d, span = 8, 2, 2, 4, 8, 128
         q = torch.empty(b * rows, hk * g, d, device=meta)
-        keys = torch.empty(b, hk, span, d, device=meta)
+        keys = torch.empty(hk, b, span, d, device=meta)
         lens = verify_kv_lens(buf.seq_lens[:b], rows)
         mask = torch.arange(span, device=meta)[None, None, :] < lens[:, :, None]
         out = SdpaAttention(0.3)._decode_grouped(q, keys, keys, mask, rows)
