@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import write_slots
+from engine.layers.decode_plan import DecodeGroup, build_plan, verify_kv_lens
+
+__all__ = ["SdpaAttention", "verify_kv_lens"]
 
 
 class SdpaAttention:
@@ -25,67 +28,79 @@ class SdpaAttention:
 
     def __init__(self, scale: float):
         self.scale = scale
+        self._plan: tuple | None = None     # (meta, rows, plan) of the current forward
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_slots(k_cache, meta.slot_mapping, k)
         write_slots(v_cache, meta.slot_mapping, v)
-        out = torch.empty_like(q)
         num_dec = meta.num_decodes + meta.num_padding
+        if not meta.num_prefills:
+            return self._decode_rows(q, k_cache, v_cache, meta, num_dec)
+        out = torch.empty_like(q)
         if num_dec:
-            # query rows per decode sequence (1, or k+1 in a speculative verify)
-            rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
-            n = num_dec * rows
-            out[:n] = self._decode(q[:n], k_cache, v_cache, meta.block_tables[:num_dec],
-                                   meta.seq_lens[:num_dec], rows)
-        if meta.num_prefills:
-            self._prefill(q, k, v, k_cache, v_cache, meta, out)
+            dec = self._decode_rows(q, k_cache, v_cache, meta, num_dec)
+            out[:dec.shape[0]] = dec
+        self._prefill(q, k, v, k_cache, v_cache, meta, out)
         return out
 
-    def _decode(self, q, k_cache, v_cache, block_tables, seq_lens, rows: int = 1
-                ) -> torch.Tensor:
-        """q [B*rows, Hq, D], `rows` consecutive query rows per sequence -> [B*rows, Hq, D]"""
-        b, w = block_tables.shape
-        hk, _, bs, d = k_cache.shape
-        idx = block_tables.reshape(-1)
-        keys = k_cache.index_select(1, idx).view(hk, b, w * bs, d)       # [Hkv, B, L, D]
-        vals = v_cache.index_select(1, idx).view(hk, b, w * bs, d)
-        span = torch.arange(w * bs, device=q.device)
-        if rows == 1:
-            mask = span[None, :] < seq_lens[:, None]                      # [B, L]
+    def _decode_rows(self, q, k_cache, v_cache, meta: AttentionMetadata, num_dec: int
+                     ) -> torch.Tensor:
+        # query rows per decode sequence (1, or k+1 in a speculative verify)
+        rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
+        n = num_dec * rows
+        c = self._plan
+        if c is not None and c[0] is meta and c[1] == rows:
+            plan = c[2]
         else:
-            mask = span[None, None, :] < verify_kv_lens(seq_lens, rows)[:, :, None]
+            plan = build_plan(meta, num_dec, rows, k_cache.shape[2])
+            # host-planned groups hold per-forward masks: keep them for the other layers
+            self._plan = (meta, rows, plan) if meta.seq_lens_host else None
+        if len(plan) == 1 and plan[0].q_rows is None:
+            return self._decode(q[:n], k_cache, v_cache, plan[0], rows)
+        out = torch.empty_like(q[:n])
+        for g in plan:
+            out.index_copy_(0, g.q_rows, self._decode(q.index_select(0, g.q_rows), k_cache,
+                                                      v_cache, g, rows))
+        return out
+
+    def _decode(self, q, k_cache, v_cache, g: DecodeGroup, rows: int) -> torch.Tensor:
+        """q [B*rows, Hq, D], `rows` consecutive query rows per sequence -> [B*rows, Hq, D]"""
+        b, w = g.num_seqs, g.width
+        hk, _, bs, d = k_cache.shape
+        keys = k_cache.index_select(1, g.block_ids).view(hk, b, w * bs, d)   # [Hkv, B, L, D]
+        vals = v_cache.index_select(1, g.block_ids).view(hk, b, w * bs, d)
         if q.device.type == "cpu" and self.cpu_grouped_decode:
-            return self._decode_grouped(q, keys, vals, mask, rows)
+            return self._decode_grouped(q, keys, vals, g.masked, rows)
         keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)           # [B, Hkv, L, D]
         if rows == 1:
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, vals, attn_mask=mask[:, None, None, :],
+                q.unsqueeze(2), keys, vals, attn_mask=~g.masked[:, None, None, :],
                 scale=self.scale, enable_gqa=True)
             return o.squeeze(2)
         hq = q.shape[1]
         qs = q.view(b, rows, hq, d).transpose(1, 2)                       # [B, Hq, Q, D]
-        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask[:, None],
+        o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=~g.masked[:, None],
                                            scale=self.scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(b * rows, hq, d)
 
-    def _decode_grouped(self, q, keys, vals, mask, rows: int = 1) -> torch.Tensor:
+    def _decode_grouped(self, q, keys, vals, masked, rows: int = 1) -> torch.Tensor:
         """Two batched matmuls over Hkv*B, with the query heads of a KV head (times the
         sequence's `rows` query rows) as rows; keys/vals [Hkv, B, L, D] straight from the
-        gather. On CPU the flash kernel pays its tiling for a few rows and half precision
-        adds conversions; this is ~2x faster there (bench/offline_throughput.py's decode
-        step). Softmax in float32."""
+        gather; `masked` True where a key is out of reach. On CPU the flash kernel pays
+        its tiling for a few rows and half precision adds conversions; this is ~2x faster
+        there (bench/offline_throughput.py's decode step). Softmax in float32."""
         hk, b, length, d = keys.shape
         hq = q.shape[1]
         g = hq // hk
         # [B*Q, Hkv*G, D] -> [Hkv, B, G*Q, D]: row g*Q + j is head g of query row j
         qg = q.view(b, rows, hk, g, d).permute(2, 0, 3, 1, 4).reshape(hk * b, g * rows, d)
         if rows == 1:
-            mask = mask[None, :, None, :]                                 # [1, B, 1, L]
+            masked = masked[None, :, None, :]                             # [1, B, 1, L]
         else:                                                             # [1, B, G*Q, L]
-            mask = mask[:, None].expand(b, g, rows, length).reshape(1, b, g * rows, length)
+            masked = masked[:, None].expand(b, g, rows, length).reshape(1, b, g * rows, length)
         scores = torch.bmm(qg, keys.view(hk * b, length, d).transpose(1, 2)).float()
         scores = scores.view(hk, b, g * rows, length).mul_(self.scale)
-        scores.masked_fill_(~mask, float("-inf"))
+        scores.masked_fill_(masked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(vals.dtype).view(hk * b, g * rows, length)
         o = torch.bmm(probs, vals.view(hk * b, length, d)).view(hk, b, g, rows, d)
         return o.permute(1, 3, 0, 2, 4).reshape(b * rows, hq, d)
@@ -115,12 +130,3 @@ class SdpaAttention:
                                                    scale=self.scale, enable_gqa=True)
             out[tok:tok + n] = o[0].transpose(0, 1)
             tok += n
-
-
-
-def verify_kv_lens(seq_lens: torch.Tensor, rows: int) -> torch.Tensor:
-    """[B, rows] KV length each query row attends to: the run's rows are the sequence's
-    last `rows` tokens, so row j sees seq_len - (rows-1-j). At least 1, so padding
-    sequences (seq_len 1) never softmax over an empty row."""
-    back = torch.arange(rows - 1, -1, -1, device=seq_lens.device, dtype=seq_lens.dtype)
-    return (seq_lens[:, None] - back[None, :]).clamp_min_(1)

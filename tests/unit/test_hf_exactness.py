@@ -101,3 +101,20 @@ def test_requests_join_and_leave_mid_run(tiny):
     for i, seq in seqs.items():
         ref, _ = hf_greedy(hf, prompts[i], budgets[i])
         assert seq.output_token_ids == ref, f"request {i}"
+
+
+def test_decode_width_groups(tiny, monkeypatch):
+    """Decode rows cut into width groups (every cut allowed) attend exactly as one group."""
+    from engine.layers import decode_plan
+
+    monkeypatch.setattr(decode_plan, "GROUP_COST_BLOCKS", 0)
+    seen = []
+    build = decode_plan.build_plan
+    monkeypatch.setattr("engine.layers.sdpa_attention.build_plan",
+                        lambda *a: seen.append(build(*a)) or seen[-1])
+    folder, hf = tiny
+    llm = LLM(folder, dtype="float32", block_size=4, num_gpu_blocks=256)
+    prompts = random_prompts(10, LENGTHS, hf.config.vocab_size, seed=7)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
+    _check(outs, prompts, hf)
+    assert max(len(plan) for plan in seen) == decode_plan.MAX_GROUPS

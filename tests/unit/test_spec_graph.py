@@ -248,5 +248,5 @@ def test_verify_forward_has_no_data_dependent_ops():
         keys = torch.empty(hk, b, span, d, device=meta)
         lens = verify_kv_lens(buf.seq_lens[:b], rows)
         mask = torch.arange(span, device=meta)[None, None, :] < lens[:, :, None]
-        out = SdpaAttention(0.3)._decode_grouped(q, keys, keys, mask, rows)
+        out = SdpaAttention(0.3)._decode_grouped(q, keys, keys, ~mask, rows)
         assert out.shape == (b * rows, hk * g, d)
