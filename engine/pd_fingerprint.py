@@ -12,7 +12,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-# Version the byte layout of a pushed block: bump when KVCache's layout changes.
+# Version the byte layout of a pushed block (the wire layout of engine/kv_cache.py's
+# gather_blocks / scatter_blocks, not the cache's own): bump when it changes.
 KV_LAYOUT = "paged-kv/v1:[block,slot,kv_head,head_dim]"
 
 
