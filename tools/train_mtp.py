@@ -1,18 +1,29 @@
 """Train an MTP draft head for a model by self-distillation from the model's own outputs.
 
-No data is downloaded: the corpus is the model's own continuations of varied prompts
-(chat requests and plain text openings), generated with pdserve's engine. Then, once:
-the target's final hidden states h_t (the very tensor the engine hands the draft) and its
-top-K next-token distributions at every position are computed and kept. Only the head
-trains: at row t it sees (h_t, x_{t+1}) and learns the target's distribution at t+1, the
-prediction of x_{t+2}; a second, unrolled step feeds the head's own hidden state back with
-x_{t+2} (as the engine's later draft steps do) and learns the distribution at t+2.
+No data is downloaded: the corpus is the model's own greedy answers to chat requests on
+188 topics (tools/mtp_corpus.py; the bench's topics and 12 held-out ones are kept out),
+generated with pdserve's engine in bfloat16 at batch 256, ignore_eos, as the bench
+decodes. Then, once: the target's final hidden states h_t (the tensor the engine hands the
+draft) and its top-K next-token distributions at every position are computed and kept.
+Only the head trains: at row t it sees (h_t, x_{t+1}) and learns the target's
+distribution at t+1, the prediction of x_{t+2}; a second, unrolled step feeds the head's
+own hidden state back with x_{t+2} (as the engine's later draft steps do) and learns the
+distribution at t+2. The loss and the held-out agreement count only rows whose input
+token is a generated one (that is where the engine drafts), not the prompt or template.
 
 The decoder layer starts as a copy of the target's last layer and shared_head.norm as its
-final norm, which converges far faster than random init. The result is a small safetensors
-file under DeepSeek-V3 keys (model.layers.{num_hidden_layers}.*).
+final norm. The result is a small safetensors file under DeepSeek-V3 keys
+(model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
-    python tools/train_mtp.py --model <hf folder> --out engine/models/assets/smollm2_mtp.safetensors
+The shipped head (engine/models/assets/smollm2_mtp.safetensors) was made with the
+defaults, one torch thread, on the 2-core development box:
+
+    python tools/train_mtp.py --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
+        --out engine/models/assets/smollm2_mtp.safetensors --threads 1 \
+        --corpus-cache /tmp/mtp2/corpus.pt --cache /tmp/mtp2/feat.pt
+
+(the caches only skip regenerating the corpus / recomputing features on a rerun; the
+timings of the first run are in docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
