@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.attention import get_attention_backend
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.models.decoder import DecoderLayer
 from engine.models.loader import copy_weight, safetensors_files
@@ -61,7 +62,7 @@ class MTPModule(nn.Module):
                                       cfg.rope_theta, cfg.rope_scaling)
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(cfg, self.rotary, backend)
         self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_first = hidden_first          # MiMo concatenates (h, e)

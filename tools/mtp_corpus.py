@@ -1,0 +1,117 @@
+"""The self-distillation corpus for tools/train_mtp.py: chat prompts on many topics and the
+model's own greedy answers to them, generated with pdserve's engine.
+
+Weighted to what speculative decoding is measured on (bench/spec_decode.py: greedy chat
+answers, ignore_eos): every prompt is a chat request, answered greedily with ignore_eos.
+The bench's topics and the training script's held-out topics are kept out of the training
+topics (checked at import).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+TOPICS = [
+    "the ocean", "volcanoes", "a small bakery", "machine learning", "the French revolution",
+    "photosynthesis", "a lost dog", "black holes", "gardening tips", "the stock market",
+    "healthy breakfast ideas", "the history of Rome", "learning to code in Python",
+    "a trip to Japan", "climate change", "the human heart", "chess strategy",
+    "writing a resume", "the moon landing", "electric cars", "honey bees", "jazz music",
+    "a haunted house", "time management", "the water cycle", "ancient Egypt",
+    "how vaccines work", "a birthday party", "mountain hiking", "renewable energy",
+    "dinosaurs", "a job interview", "the solar system", "making pasta", "friendship",
+    "the internet", "rainforests", "a detective story", "basic algebra", "sleep",
+    "the immune system", "earthquakes", "the Roman army", "a farmer's market", "bread baking",
+    "the Renaissance", "quantum physics", "wolves", "a rainy day", "meditation",
+    "the Amazon river", "video games", "the piano", "recycling", "the Industrial Revolution",
+    "a camping trip", "owls", "the Eiffel Tower", "DNA", "a dragon", "saving money",
+    "the Vikings", "hurricanes", "coffee", "a first day at school", "elephants",
+    "the Arctic", "a train journey",
+    "the brain", "tornadoes", "Shakespeare", "a magic forest", "exercise", "the Moon",
+    "rivers", "a small village", "cats", "the Cold War", "smartphones", "mushrooms",
+    "a wedding", "nutrition", "the Mayan civilization", "kites",
+    "glaciers", "a science fair", "the Sun", "butterflies", "volunteering", "the Middle Ages",
+    "cloud computing", "sharks", "a snowy mountain",
+    "the Wright brothers", "bird migration", "a library", "the theory of evolution",
+    "cybersecurity", "a family dinner", "the Great Depression", "octopuses", "a thunderstorm",
+    "the periodic table", "soccer", "a hot air balloon", "the samurai", "tigers",
+    "writing an email", "the speed of light", "a treasure map", "composting",
+    "the Silk Road", "artificial intelligence", "a carnival", "bats", "the human skeleton",
+    "a road trip", "the Aztecs", "batteries", "a music festival", "gravity", "frogs",
+    "the Titanic", "baking cookies", "the immune response to colds",
+    "magnets", "horses", "rainbows",
+    "public libraries", "the metric system", "a secret garden", "wind turbines",
+    "the Statue of Liberty", "teamwork", "a fishing trip", "the Milky Way", "spiders",
+    "democracy", "a clock maker", "the Nile", "starting a business", "whales", "fireworks",
+    "the Internet of Things", "a castle", "the circulatory system", "skateboarding",
+    "the history of flight", "a talking tree", "plastic pollution", "the Himalayas",
+    "the first computers", "a market in Morocco", "ants", "the human eye", "a winter festival",
+    "photography", "the Pyramids of Giza", "a bus driver", "learning to swim",
+    "the French language", "a museum visit", "the Internet's history", "cheese making",
+    "a superhero", "the lungs", "an old map",
+    "databases", "a pumpkin patch", "the planets", "wildfires", "a jazz club", "rice farming",
+    "the Beatles", "a time machine", "digestion", "a small boat", "microscopes",
+    "the history of chocolate", "a lost key", "self-driving cars", "the Andes",
+    "a grandmother's recipe", "cryptocurrency",
+    "a football match", "the human voice", "a mystery letter", "sea turtles",
+]
+HELD_OUT_TOPICS = ["submarines", "origami", "the printing press", "a robot chef",
+                   "desert animals", "public speaking", "hot springs", "the Dead Sea",
+                   "the Sahara", "paper airplanes", "a night market", "ice hockey"]
+# The first four are the bench's requests; the others widen the answer styles.
+CHAT = ["Tell me about {t}.", "Write a short story about {t}.",
+        "Explain {t} to a ten-year-old.", "Give me three facts about {t}.",
+        "What are the pros and cons of {t}?", "Write a poem about {t}.",
+        "Summarize the key ideas of {t} in a paragraph.", "Why is {t} important?",
+        "Describe {t} in detail.", "Write a blog post about {t}."]
+HELD_OUT_CHAT = CHAT[:4]
+
+
+def _bench_topics() -> list[str]:
+    try:
+        from bench.spec_decode import TOPICS as bench_topics
+    except ImportError:                 # an installed package without bench/
+        return []
+    return list(bench_topics)
+
+
+def check_disjoint() -> None:
+    """Training topics must not include the bench's or the held-out ones."""
+    train = {t.lower() for t in TOPICS}
+    for name, other in (("bench", _bench_topics()), ("held-out", HELD_OUT_TOPICS)):
+        both = train & {t.lower() for t in other}
+        if both:
+            raise ValueError(f"training topics overlap the {name} topics: {sorted(both)}")
+
+
+def chat_prompts(topics: list[str], templates: list[str], tokenizer,
+                 per_topic: int, rng: random.Random) -> list[list[int]]:
+    """`per_topic` chat requests per topic (templates sampled without replacement)."""
+    out = []
+    for t in topics:
+        for tmpl in rng.sample(templates, min(per_topic, len(templates))):
+            text = tokenizer.apply_chat_template([{"role": "user",
+                                                   "content": tmpl.format(t=t)}], True)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+    return out
+
+
+def generate_corpus(model_dir: str, prompts: list[list[int]], max_new: int, dtype: str,
+                    batch: int) -> list[tuple[list[int], int]]:
+    """Greedy ignore_eos answers, as (prompt + answer token ids, prompt length)."""
+    from engine import LLM, SamplingParams
+    t0 = time.time()
+    llm = LLM(model_dir, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=8192,
+              kv_cache_memory_gb=max(1.0, batch * (max_new + 96) * 24e3 / 1e9 * 1.2))
+    sp = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=True)
+    seqs = [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
+            for o in outs]
+    n = sum(len(s) - p for s, p in seqs)
+    print(f"generated {n} tokens in {time.time() - t0:.0f}s ({dtype}, batch {batch})",
+          flush=True)
+    return seqs
+
+
+check_disjoint()
