@@ -17,13 +17,16 @@ import torch.nn.functional as F
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import write_slots
+from engine.layers import cpu_paged_attention
 from engine.layers.decode_plan import DecodeGroup, build_plan, verify_kv_lens
 
 __all__ = ["SdpaAttention", "verify_kv_lens"]
 
 
 class SdpaAttention:
-    # decode on CPU through the grouped matmuls (off: the SDPA kernel, as on CUDA/NPU)
+    # decode on CPU through the C++ paged kernel when it builds (engine/layers/
+    # cpu_paged_attention.py), else through the grouped matmuls (off: the SDPA kernel)
+    cpu_kernel = True
     cpu_grouped_decode = True
 
     def __init__(self, scale: float):
@@ -48,6 +51,12 @@ class SdpaAttention:
         # query rows per decode sequence (1, or k+1 in a speculative verify)
         rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
         n = num_dec * rows
+        if q.device.type == "cpu" and self.cpu_kernel and cpu_paged_attention.kernel():
+            lens = meta.seq_lens[:num_dec]
+            kv_lens = lens if rows == 1 else verify_kv_lens(lens, rows).reshape(-1)
+            return cpu_paged_attention.paged_decode_attention(
+                q[:n], k_cache, v_cache, meta.block_tables[:num_dec], kv_lens, rows,
+                self.scale)
         c = self._plan
         if c is not None and c[0] is meta and c[1] == rows:
             plan = c[2]

@@ -52,6 +52,7 @@ def test_groups_equal_one_padded_group(monkeypatch):
     lens = [3, 61, 5, 40, 2, 58, 17, 9]
     for rows in (1, 3):
         q, kc, vc, meta = _case(lens, rows, seed=rows)
+        monkeypatch.setattr(SdpaAttention, "cpu_kernel", False)   # the torch path's groups
         attn = SdpaAttention(8 ** -0.5)
         monkeypatch.setattr(decode_plan, "GROUP_COST_BLOCKS", 10 ** 9)
         one = attn._decode_rows(q, kc, vc, meta, len(lens))

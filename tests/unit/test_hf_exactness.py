@@ -106,7 +106,9 @@ def test_requests_join_and_leave_mid_run(tiny):
 def test_decode_width_groups(tiny, monkeypatch):
     """Decode rows cut into width groups (every cut allowed) attend exactly as one group."""
     from engine.layers import decode_plan
+    from engine.layers.sdpa_attention import SdpaAttention
 
+    monkeypatch.setattr(SdpaAttention, "cpu_kernel", False)   # groups are the torch path's
     monkeypatch.setattr(decode_plan, "GROUP_COST_BLOCKS", 0)
     seen = []
     build = decode_plan.build_plan

@@ -187,13 +187,22 @@ def _reference(q, k_cache, v_cache, meta, rows, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("grouped", [True, False])
+# the CPU paths: C++ paged kernel, grouped matmuls, the SDPA kernel (as on CUDA/NPU)
+MODES = {"kernel": (True, True), "grouped": (False, True), "sdpa": (False, False)}
+
+
+def _attention(scale: float, mode: str) -> SdpaAttention:
+    attn = SdpaAttention(scale)
+    attn.cpu_kernel, attn.cpu_grouped_decode = MODES[mode]
+    return attn
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("rows", [1, 2, 4])
-def test_decode_attention_rows_per_sequence(rows, grouped):
+def test_decode_attention_rows_per_sequence(rows, mode):
     scale = 8 ** -0.5
     q, k, v, kc, vc, meta = _paged_case(rows, [rows + 1, 7, 13, 24], rows)
-    attn = SdpaAttention(scale)
-    attn.cpu_grouped_decode = grouped
+    attn = _attention(scale, mode)
     out = attn(q, k, v, kc, vc, meta)
     # the step's K/V were written into the cache first, then attended
     torch.testing.assert_close(kc.view(2, -1, 8)[:, meta.slot_mapping].transpose(0, 1), k)
@@ -213,10 +222,8 @@ def test_padding_sequences_stay_finite():
     """A padding sequence (seq_len 1) with k+1 rows reads at least one key per row."""
     q, k, v, kc, vc, meta = _paged_case(5, [3, 9], 3)
     meta.seq_lens[1] = 1
-    for grouped in (True, False):
-        attn = SdpaAttention(0.3)
-        attn.cpu_grouped_decode = grouped
-        assert torch.isfinite(attn(q, k, v, kc, vc, meta)).all()
+    for mode in MODES:
+        assert torch.isfinite(_attention(0.3, mode)(q, k, v, kc, vc, meta)).all()
 
 
 def test_verify_forward_has_no_data_dependent_ops():
@@ -250,3 +257,25 @@ def test_verify_forward_has_no_data_dependent_ops():
         mask = torch.arange(span, device=meta)[None, None, :] < lens[:, :, None]
         out = SdpaAttention(0.3)._decode_grouped(q, keys, keys, ~mask, rows)
         assert out.shape == (b * rows, hk * g, d)
+
+
+def test_cpu_kernel_is_built_and_used(monkeypatch):
+    """The C++ kernel builds on this machine (g++ and ninja come with the dev setup) and
+    the decode path goes through it: a kernel that returned zeros would be noticed."""
+    from engine.layers import cpu_paged_attention
+
+    assert cpu_paged_attention.kernel() is not None, cpu_paged_attention._failed
+    q, k, v, kc, vc, meta = _paged_case(3, [5, 12], 1)
+    calls = []
+    real = cpu_paged_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention",
+                        lambda *a: calls.append(1) or real(*a))
+    out = _attention(8 ** -0.5, "kernel")(q, k, v, kc, vc, meta)
+    assert calls == [1]
+    torch.testing.assert_close(out, _reference(q, kc, vc, meta, 1, 8 ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+    for dtype in (torch.bfloat16,):      # and in bf16, within bf16 rounding
+        qb, kb, vb = q.to(dtype), kc.to(dtype), vc.to(dtype)
+        ref = _reference(qb.float(), kb.float(), vb.float(), meta, 1, 8 ** -0.5)
+        got = real(qb, kb, vb, meta.block_tables, meta.seq_lens, 1, 8 ** -0.5)
+        torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
