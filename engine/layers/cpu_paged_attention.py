@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,28 @@ _SOURCE = r"""
 
 // element -> float; bfloat16 as its upper 16 bits (a shift the compiler vectorizes)
 static inline float to_f(float x) { return x; }
+// exp for x <= 0 (scores minus their max) in plain arithmetic, so the softmax loop
+// vectorizes (libm's expf is a scalar call per element): Cody-Waite range reduction and
+// Cephes' degree-5 polynomial, ~1 ulp; below -87.3 it returns 0.
+static inline float exp_nonpos(float x) {
+  x = x < -87.33654f ? -87.33654f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
 static inline float to_f(at::BFloat16 x) {
   uint32_t u = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -67,15 +90,19 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = to_f(qp[(r * Hq + h * G + g) * D + d]);
-      for (int64_t p = 0; p < L; ++p) {
-        const int64_t blk = btp[b * W + p / BS];
-        const T* kr = kp + ((h * NB + blk) * BS + p % BS) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_f(kr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-          sc[g * L + p] = s * scale;
+      const int64_t nblk = (L + BS - 1) / BS;
+      for (int64_t j = 0; j < nblk; ++j) {     // block by block: no division per key
+        const T* kb = kp + (h * NB + btp[b * W + j]) * BS * D;
+        const int64_t cnt = std::min(BS, L - j * BS);
+        for (int64_t t = 0; t < cnt; ++t) {
+          const T* kr = kb + t * D;
+          for (int64_t d = 0; d < D; ++d) row[d] = to_f(kr[d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+            sc[g * L + j * BS + t] = s * scale;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -83,19 +110,22 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
         float m = -INFINITY;
         for (int64_t p = 0; p < L; ++p) m = s[p] > m ? s[p] : m;
         float sum = 0.f;
-        for (int64_t p = 0; p < L; ++p) { s[p] = std::exp(s[p] - m); sum += s[p]; }
+        for (int64_t p = 0; p < L; ++p) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
         const float inv = 1.f / sum;
         for (int64_t p = 0; p < L; ++p) s[p] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < L; ++p) {
-        const int64_t blk = btp[b * W + p / BS];
-        const T* vr = vp + ((h * NB + blk) * BS + p % BS) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_f(vr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = sc[g * L + p];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
+      for (int64_t j = 0; j < nblk; ++j) {
+        const T* vb = vp + (h * NB + btp[b * W + j]) * BS * D;
+        const int64_t cnt = std::min(BS, L - j * BS);
+        for (int64_t t = 0; t < cnt; ++t) {
+          const T* vr = vb + t * D;
+          for (int64_t d = 0; d < D; ++d) row[d] = to_f(vr[d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = sc[g * L + j * BS + t];
+            float* a = acc.data() + g * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
@@ -154,7 +184,7 @@ def kernel():
 
             log.info("building the CPU paged attention kernel (once; cached afterwards)")
             _module = load_inline(
-                name="pdserve_cpu_paged_attention_v3", cpp_sources=[_SOURCE],
+                name="pdserve_cpu_paged_attention_v5", cpp_sources=[_SOURCE],
                 functions=["paged_decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
                               "-fno-finite-math-only"],
