@@ -62,6 +62,10 @@ class LLMEngine:
                                                    self.device.torch_device,
                                                    config.attention_backend)
         log.info("loaded %s (%s) in %.1fs", config.model, self.dtype, time.perf_counter() - t0)
+        if self.device.is_cpu:
+            # build (or load the cached) CPU attention kernel now, not in the first request
+            from engine.layers import cpu_paged_attention
+            cpu_paged_attention.kernel()
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)

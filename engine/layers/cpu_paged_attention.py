@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sysconfig
 import threading
 
 import torch
@@ -179,6 +181,7 @@ def kernel():
         if os.environ.get("PDSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
             _failed = "disabled by PDSERVE_CPU_ATTENTION_KERNEL=0"
             return None
+        _find_ninja()
         try:
             from torch.utils.cpp_extension import load_inline
 
@@ -194,6 +197,15 @@ def kernel():
             log.warning("CPU paged attention kernel unavailable (%s); decode attention "
                         "uses the slower torch path", _failed)
     return _module
+
+
+def _find_ninja() -> None:
+    """torch runs `ninja` from PATH; the pip-installed one sits beside this Python, which
+    is not on PATH when the venv is not activated (`.venv/bin/python -m ...`)."""
+    if shutil.which("ninja") is None:
+        scripts = sysconfig.get_path("scripts")
+        if os.path.exists(os.path.join(scripts, "ninja")):
+            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
