@@ -13,7 +13,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch.rms_norm over float32 is one fused op with the same result as HF's
+        # x * rsqrt(mean(x^2) + eps) spelled out (bit-identical in float32 and after the
+        # cast to bfloat16, checked in tests/unit/test_rms_norm.py): 1 op instead of 5,
+        # 61 times per decode step of a 30-layer model
+        return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps
+                                            ).to(x.dtype)
