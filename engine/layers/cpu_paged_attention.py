@@ -87,7 +87,7 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
     std::vector<float> qf(G * D), acc(G * D), row(D), sc;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / Hk, h = i % Hk, b = r / rows;
-      const int64_t L = lp[r];
+      const int64_t L = std::min<int64_t>(lp[r], W * BS);   // never read past the table
       sc.resize(G * L);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
@@ -187,7 +187,7 @@ def kernel():
 
             log.info("building the CPU paged attention kernel (once; cached afterwards)")
             _module = load_inline(
-                name="pdserve_cpu_paged_attention_v5", cpp_sources=[_SOURCE],
+                name="pdserve_cpu_paged_attention_v6", cpp_sources=[_SOURCE],
                 functions=["paged_decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
                               "-fno-finite-math-only"],
