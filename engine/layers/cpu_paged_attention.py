@@ -186,8 +186,11 @@ def kernel():
             from torch.utils.cpp_extension import load_inline
 
             log.info("building the CPU paged attention kernel (once; cached afterwards)")
+            # -march=native: the build is for this CPU; its capability is in the name so
+            # a cache shared between different CPUs never loads a foreign build
+            cap = torch.backends.cpu.get_cpu_capability().lower()
             _module = load_inline(
-                name="pdserve_cpu_paged_attention_v6", cpp_sources=[_SOURCE],
+                name=f"pdserve_cpu_paged_attention_v6_{cap}", cpp_sources=[_SOURCE],
                 functions=["paged_decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
                               "-fno-finite-math-only"],
