@@ -279,3 +279,21 @@ def test_cpu_kernel_is_built_and_used(monkeypatch):
         ref = _reference(qb.float(), kb.float(), vb.float(), meta, 1, 8 ** -0.5)
         got = real(qb, kb, vb, meta.block_tables, meta.seq_lens, 1, 8 ** -0.5)
         torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_kernel_off_falls_back_to_torch(monkeypatch):
+    """PDSERVE_CPU_ATTENTION_KERNEL=0 (or a failed build): the torch path answers, same
+    result, and the reason is kept for the warning."""
+    from engine.layers import cpu_paged_attention
+
+    monkeypatch.setattr(cpu_paged_attention, "_module", None)
+    monkeypatch.setattr(cpu_paged_attention, "_failed", None)
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
+    assert cpu_paged_attention.kernel() is None
+    assert "PDSERVE_CPU_ATTENTION_KERNEL=0" in cpu_paged_attention._failed
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_paged_attention.paged_decode_attention(*[None] * 5, 1, 1.0)
+    q, k, v, kc, vc, meta = _paged_case(4, [6, 11, 3], 2)
+    out = _attention(8 ** -0.5, "kernel")(q, k, v, kc, vc, meta)
+    torch.testing.assert_close(out, _reference(q, kc, vc, meta, 2, 8 ** -0.5),
+                               rtol=1e-5, atol=1e-5)
