@@ -203,7 +203,7 @@ def kernel():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            log.info("building the CPU paged attention kernel (once; cached afterwards)")
+            log.info("CPU paged attention kernel: building it, or loading the cached build")
             # -march=native: the build is for this CPU; its capability is in the name so
             # a cache shared between different CPUs never loads a foreign build
             cap = torch.backends.cpu.get_cpu_capability().lower()
@@ -237,3 +237,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError(f"CPU paged attention kernel unavailable: {_failed}")
     return mod.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables,
                                       kv_lens, rows, scale)
+
+
+if __name__ == "__main__":
+    # `make test` / `make up` build the kernel here first, in one process, so the nodes and
+    # test processes that start together later only load it (never race to build it)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mod = kernel()
+    print(f"CPU paged attention kernel: {mod.__file__ if mod else 'unavailable: ' + str(_failed)}")
