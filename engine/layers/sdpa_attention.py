@@ -22,6 +22,8 @@ from engine.layers.decode_plan import DecodeGroup, build_plan, verify_kv_lens
 
 __all__ = ["SdpaAttention", "verify_kv_lens"]
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # what the C++ kernel is built for
+
 
 class SdpaAttention:
     # decode on CPU through the C++ paged kernel when it builds (engine/layers/
@@ -51,7 +53,8 @@ class SdpaAttention:
         # query rows per decode sequence (1, or k+1 in a speculative verify)
         rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
         n = num_dec * rows
-        if q.device.type == "cpu" and self.cpu_kernel and cpu_paged_attention.kernel():
+        if (q.device.type == "cpu" and self.cpu_kernel and q.dtype in KERNEL_DTYPES
+                and cpu_paged_attention.kernel()):
             lens = meta.seq_lens[:num_dec]
             kv_lens = lens if rows == 1 else verify_kv_lens(lens, rows).reshape(-1)
             return cpu_paged_attention.paged_decode_attention(

@@ -297,3 +297,13 @@ def test_cpu_kernel_off_falls_back_to_torch(monkeypatch):
     out = _attention(8 ** -0.5, "kernel")(q, k, v, kc, vc, meta)
     torch.testing.assert_close(out, _reference(q, kc, vc, meta, 2, 8 ** -0.5),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_float16_decode_takes_the_torch_path():
+    """The C++ kernel is built for float32 and bfloat16 only; float16 never reaches it."""
+    q, k, v, kc, vc, meta = _paged_case(6, [5, 9], 1)
+    h = [t.half() for t in (q, k, v, kc, vc)]
+    out = _attention(8 ** -0.5, "kernel")(*h, meta)
+    assert out.dtype == torch.float16
+    ref = _reference(h[0].float(), h[3].float(), h[4].float(), meta, 1, 8 ** -0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
