@@ -56,6 +56,34 @@ def run_once(llm: LLM, convs, max_tokens: int) -> tuple[float, list[list[int]]]:
     return dt, [o.outputs[0].token_ids for o in outs]
 
 
+def measure_acceptance(llms: dict, ks: list[int], n: int, max_tokens: int) -> dict:
+    """Acceptance length and per-position rates of each k over `n` prompts (every
+    topic x request), run as one batch: acceptance does not depend on the batch (float32
+    verify is exact), and n prompts average over far more text than the speed cells."""
+    rows, out = [], {}
+    convs = prompts(n, 0)
+    for k in ks:
+        before = dict(llms[k].stats())
+        run_once(llms[k], convs, max_tokens)
+        st = llms[k].stats()
+        drafts = st["spec_num_drafts"] - before["spec_num_drafts"]
+        acc = st["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        per_pos = [(st["spec_num_accepted_per_position"][j]
+                    - before["spec_num_accepted_per_position"][j])
+                   / max(1, st["spec_num_proposed_per_position"][j]
+                         - before["spec_num_proposed_per_position"][j]) for j in range(k)]
+        out[f"k{k}"] = {"acceptance_length": round(1 + acc / drafts, 3),
+                        "per_position": [round(a, 3) for a in per_pos],
+                        "drafts": drafts}
+        rows.append([k, f"{1 + acc / drafts:.3f}",
+                     ", ".join(f"{a:.3f}" for a in per_pos), drafts])
+    print()
+    print(f"acceptance over {n} prompts x {max_tokens} tokens (one batch):")
+    print(md_table(["k", "acceptance length", "per position (cumulative)", "draft rounds"],
+                   rows))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="HF folder with an MTP head (default: the prepared "
@@ -71,6 +99,9 @@ def main() -> int:
     ap.add_argument("--graph-max-seq-len", type=int, default=512,
                     help="with --graph: block-table width of the graphs (every replay "
                          "attends over all of it)")
+    ap.add_argument("--acceptance-prompts", type=int, default=len(TOPICS) * len(ASKS),
+                    help="also measure acceptance lengths over this many prompts, batched "
+                         "(0: skip); the speed cells see few prompts at batch 1")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,7 +115,7 @@ def main() -> int:
     modes = [0] + ks
     graph = ({"enable_graph": True, "graph_max_seq_len": args.graph_max_seq_len}
              if args.graph else {})
-    llms = {k: LLM(folder, dtype=args.dtype, max_num_seqs=max(batches), **graph,
+    llms = {k: LLM(folder, dtype=args.dtype, max_num_seqs=max(*batches, 32), **graph,
                    **({"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}))
             for k in modes}
     print(f"model {folder} dtype {llms[0].engine.dtype} threads {args.threads}")
@@ -126,6 +157,9 @@ def main() -> int:
     print()
     print(md_table(["batch", "mode", "tokens/s", "vs off", "acceptance length",
                     "identical to off"], rows))
+    if args.acceptance_prompts and ks:
+        results["acceptance"] = measure_acceptance(llms, ks, args.acceptance_prompts,
+                                                   args.max_tokens)
     if args.graph:      # every verify batch should replay: fallbacks are the prompts only
         for k, llm in llms.items():
             st = llm.stats()

@@ -35,6 +35,8 @@ class SpecMetrics:
             "spec_num_drafts": rounds,
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_proposed_per_position": list(self.proposed_per_position),
+            "spec_num_accepted_per_position": list(self.accepted_per_position),
             # 1 + accepted / drafts: tokens a sequence gains per speculative step
             "spec_acceptance_length": (1.0 + self.num_accepted_tokens / rounds
                                        if rounds else None),
