@@ -18,11 +18,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m engine.layers.cpu_paged_attention
+	$(BIN)/python -m engine.layers.cpu_extension
 	$(BIN)/python -m pytest tests
 
 up: $(STAMP)
-	$(BIN)/python -m engine.layers.cpu_paged_attention
+	$(BIN)/python -m engine.layers.cpu_extension
 	$(BIN)/pdserve up
 
 lint: $(STAMP)

@@ -9,24 +9,19 @@ reads every K and V row once: one task per (query row, KV head), the G query hea
 that KV head scored against each key as it streams by, softmax in float32 over the row's
 own length (no padding, no mask), float32 accumulation, one rounding to the output dtype.
 
-Used by SdpaAttention for CPU decode rows (plain decode and k+1-row verify runs) when
-the kernel builds; otherwise the torch path runs and a warning says why (set
-PDSERVE_CPU_ATTENTION_KERNEL=0 to skip the build). Inputs: q [N, Hq, D] (N = B*rows),
-the head-major cache [Hkv, blocks, block_size, D], block tables [B, W] int32 and the KV
-length of each query row [N] int32 (row r belongs to sequence r // rows).
+Built through engine/layers/cpu_extension.py. Used by SdpaAttention for CPU decode rows
+(plain decode and k+1-row verify runs) when the kernel builds; otherwise the torch path
+runs and a warning says why (set PDSERVE_CPU_ATTENTION_KERNEL=0 to skip the build).
+Inputs: q [N, Hq, D] (N = B*rows), the head-major cache [Hkv, blocks, block_size, D],
+block tables [B, W] int32 and the KV length of each query row [N] int32 (row r belongs to
+sequence r // rows).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import sysconfig
-import threading
-
 import torch
 
-log = logging.getLogger(__name__)
+from engine.layers.cpu_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -183,50 +178,15 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
 }
 """
 
-_lock = threading.Lock()
-_module = None
-_failed: str | None = None
+EXTENSION = CpuExtension(
+    "pdserve_cpu_paged_attention_v8", _SOURCE, ["paged_decode_attention"],
+    ["-ffast-math", "-fno-finite-math-only"], "PDSERVE_CPU_ATTENTION_KERNEL",
+    "CPU paged attention kernel")
 
 
 def kernel():
     """The compiled module, or None when it cannot be built here (reason logged once)."""
-    global _module, _failed
-    if _module is not None or _failed is not None:
-        return _module
-    with _lock:
-        if _module is not None or _failed is not None:
-            return _module
-        if os.environ.get("PDSERVE_CPU_ATTENTION_KERNEL", "1") == "0":
-            _failed = "disabled by PDSERVE_CPU_ATTENTION_KERNEL=0"
-            return None
-        _find_ninja()
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            log.info("CPU paged attention kernel: building it, or loading the cached build")
-            # -march=native: the build is for this CPU; its capability is in the name so
-            # a cache shared between different CPUs never loads a foreign build
-            cap = torch.backends.cpu.get_cpu_capability().lower()
-            _module = load_inline(
-                name=f"pdserve_cpu_paged_attention_v8_{cap}", cpp_sources=[_SOURCE],
-                functions=["paged_decode_attention"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math",
-                              "-fno-finite-math-only"],
-                extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:   # no compiler, no ninja, a build error: torch path
-            _failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
-            log.warning("CPU paged attention kernel unavailable (%s); decode attention "
-                        "uses the slower torch path", _failed)
-    return _module
-
-
-def _find_ninja() -> None:
-    """torch runs `ninja` from PATH; the pip-installed one sits beside this Python, which
-    is not on PATH when the venv is not activated (`.venv/bin/python -m ...`)."""
-    if shutil.which("ninja") is None:
-        scripts = sysconfig.get_path("scripts")
-        if os.path.exists(os.path.join(scripts, "ninja")):
-            os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    return EXTENSION.load()
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -234,14 +194,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float) -> torch.Tensor:
     mod = kernel()
     if mod is None:
-        raise RuntimeError(f"CPU paged attention kernel unavailable: {_failed}")
+        raise RuntimeError(f"CPU paged attention kernel unavailable: {EXTENSION.failed}")
     return mod.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables,
                                       kv_lens, rows, scale)
 
-
-if __name__ == "__main__":
-    # `make test` / `make up` build the kernel here first, in one process, so the nodes and
-    # test processes that start together later only load it (never race to build it)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    mod = kernel()
-    print(f"CPU paged attention kernel: {mod.__file__ if mod else 'unavailable: ' + str(_failed)}")

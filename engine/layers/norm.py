@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers import cpu_fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -19,3 +21,15 @@ class RMSNorm(nn.Module):
         # 61 times per decode step of a 30-layer model
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps
                                             ).to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), the add rounded to x's dtype as HF's
+        `residual + hidden_states` (the sum is commutative, bit for bit); residual None:
+        (norm(x), x). One fused call on CPU in bfloat16 (engine/layers/cpu_fused_ops.py)."""
+        if (cpu_fused_ops.usable(x, cpu_fused_ops.NEAR_DTYPES) and x.dim() == 2
+                and self.weight.dtype == x.dtype):
+            return cpu_fused_ops.add_rms_norm(x.contiguous(), residual, self.weight,
+                                              self.eps)
+        total = x if residual is None else residual + x
+        return self(total), total

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import write_slots
-from engine.layers import cpu_paged_attention
+from engine.layers import cpu_fused_ops, cpu_paged_attention
 from engine.layers.decode_plan import DecodeGroup, build_plan, verify_kv_lens
 
 __all__ = ["SdpaAttention", "verify_kv_lens"]
@@ -36,8 +36,11 @@ class SdpaAttention:
         self._plan: tuple | None = None     # (meta, rows, plan) of the current forward
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        write_slots(k_cache, meta.slot_mapping, k)
-        write_slots(v_cache, meta.slot_mapping, v)
+        if cpu_fused_ops.usable(k, cpu_fused_ops.EXACT_DTYPES):
+            cpu_fused_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_slots(k_cache, meta.slot_mapping, k)
+            write_slots(v_cache, meta.slot_mapping, v)
         num_dec = meta.num_decodes + meta.num_padding
         if not meta.num_prefills:
             return self._decode_rows(q, k_cache, v_cache, meta, num_dec)

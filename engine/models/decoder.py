@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.layers import cpu_fused_ops
 from engine.layers.attention import get_attention_backend
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -50,6 +51,13 @@ class Attention(nn.Module):
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
             q, k = self.rotary(positions, q, k)
+        elif cpu_fused_ops.usable(qkv, cpu_fused_ops.EXACT_DTYPES):
+            # the same rounding as the torch path below, in place, one call
+            cpu_fused_ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin_signed,
+                                self.num_heads + self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(
+                t, self.num_kv_heads, self.head_dim)
         else:
             # q and k sit side by side in the fused output: rotate them as one tensor
             qk = qkv[:, :self.q_size + self.kv_size].view(
@@ -83,9 +91,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, k_cache, v_cache, meta):
+        """Returns (MLP output, residual stream before it); the caller adds them, in the
+        next layer's input norm or the final one, so each residual add fuses with the
+        norm that follows it. residual None: x is the embedding (layer 0)."""
+        h, residual = self.input_layernorm.add(x, residual)
+        a = self.self_attn(h, positions, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm.add(a, residual)
+        return self.mlp(h), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -107,10 +120,10 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(token_ids)
+        x, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_cache.k[i], kv_cache.v[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], meta)
+        return self.norm.add(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor, selected_token_idxes: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that will be sampled only (seed step 3), in float32."""

@@ -81,7 +81,8 @@ class MTPModule(nn.Module):
         e = self.enorm(self._shared[0](token_ids))
         h = self.hnorm(prev_hidden.to(e.dtype))
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
-        return self.layer(x, positions, k_cache, v_cache, meta)
+        out, residual = self.layer(x, None, positions, k_cache, v_cache, meta)
+        return residual + out
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         head = self._shared[1].weight

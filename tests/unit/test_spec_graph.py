@@ -264,7 +264,7 @@ def test_cpu_kernel_is_built_and_used(monkeypatch):
     the decode path goes through it: a kernel that returned zeros would be noticed."""
     from engine.layers import cpu_paged_attention
 
-    assert cpu_paged_attention.kernel() is not None, cpu_paged_attention._failed
+    assert cpu_paged_attention.kernel() is not None, cpu_paged_attention.EXTENSION.failed
     q, k, v, kc, vc, meta = _paged_case(3, [5, 12], 1)
     calls = []
     real = cpu_paged_attention.paged_decode_attention
@@ -285,12 +285,15 @@ def test_cpu_kernel_off_falls_back_to_torch(monkeypatch):
     """PDSERVE_CPU_ATTENTION_KERNEL=0 (or a failed build): the torch path answers, same
     result, and the reason is kept for the warning."""
     from engine.layers import cpu_paged_attention
+    from engine.layers.cpu_extension import CpuExtension
 
-    monkeypatch.setattr(cpu_paged_attention, "_module", None)
-    monkeypatch.setattr(cpu_paged_attention, "_failed", None)
+    ext = cpu_paged_attention.EXTENSION
+    off = CpuExtension(ext.name, ext.source, ext.functions, ext.cflags, ext.switch_env,
+                       ext.what)
+    monkeypatch.setattr(cpu_paged_attention, "EXTENSION", off)
     monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
     assert cpu_paged_attention.kernel() is None
-    assert "PDSERVE_CPU_ATTENTION_KERNEL=0" in cpu_paged_attention._failed
+    assert "PDSERVE_CPU_ATTENTION_KERNEL=0" in off.failed
     with pytest.raises(RuntimeError, match="unavailable"):
         cpu_paged_attention.paged_decode_attention(*[None] * 5, 1, 1.0)
     q, k, v, kc, vc, meta = _paged_case(4, [6, 11, 3], 2)

@@ -1,0 +1,256 @@
+"""Fused CPU kernels for the decoder's small ops, in C++ (built by engine/layers/
+cpu_extension.py; PDSERVE_CPU_FUSED_OPS=0 switches them off).
+
+Why: at decode, a layer's matmuls see a few dozen rows, and the ops between them (norms,
+residual adds, rotary, KV-cache writes, SiLU-and-mul) are ~30 torch ops a layer, each
+paying dispatch and a pass over memory: ~900 per SmolLM2 decode step, a third of its
+non-matmul time. Here most of them are four calls a layer:
+
+- rope_:        rotary on q and k in place in the fused qkv output. Bit-identical to
+                engine/layers/rotary.py (HF's rounding: cos/sin cast to the dtype,
+                x*cos and rotate_half(x)*sin each rounded, then added).
+- write_kv:     K and V rows into their cache slots (a copy: exact).
+- add_rms_norm: residual + x (rounded to the dtype), then RMSNorm in float32 with HF's
+                order (normalise, cast, times weight). bfloat16 only: its float32 sum of
+                squares runs in another order than torch's, so the result can differ from
+                the torch path in the last bit, which bfloat16's rounding nearly always
+                absorbs; float32 keeps the torch path and stays bit-equal to HF.
+
+Compiled with -ffp-contract=off: no fused multiply-adds, so every product and sum rounds
+as torch's separate ops do. Single-threaded (no OpenMP runtime of its own: see
+cpu_extension.py): even a 2048-row prefill chunk's calls are memory-bound passes that one
+core does faster than torch's 2-4 separate multi-threaded ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.cpu_extension import CpuExtension
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf2f(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// round to nearest even, as torch's float -> bfloat16 conversion
+inline uint16_t f2bf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;   // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct F32 {
+  using T = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float v) { return v; }
+  static inline float round(float v) { return v; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static inline float load(uint16_t v) { return bf2f(v); }
+  static inline uint16_t store(float v) { return f2bf(v); }
+  static inline float round(float v) { return bf2f(f2bf(v)); }
+};
+
+template <class E>
+void rope_impl(at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cos,
+               const at::Tensor& sin, int64_t heads, int64_t D) {
+  using T = typename E::T;
+  T* base = reinterpret_cast<T*>(qkv.data_ptr());
+  const int64_t rows = qkv.size(0), stride = qkv.stride(0), half = D / 2;
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  {
+    float x[1024], c[1024], s[1024];
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* cr = ct + p[t] * D;
+      const float* sr = st + p[t] * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) { c[i] = E::round(cr[i]); s[i] = E::round(sr[i]); }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xh = base + t * stride + h * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) x[i] = E::load(xh[i]);
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i)
+          xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i + half] * s[i]));
+#pragma omp simd
+        for (int64_t i = half; i < D; ++i)
+          xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i - half] * s[i]));
+      }
+    }
+  }
+}
+
+template <class E>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w,
+                       at::Tensor& out, at::Tensor& sum, double eps_d) {
+  using T = typename E::T;
+  const int64_t rows = x.size(0), H = x.size(1);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const T* rp = res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr;
+  const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  T* sp = reinterpret_cast<T*>(sum.data_ptr());
+  const float eps = static_cast<float>(eps_d);
+  {
+    float v[8192];
+    for (int64_t t = 0; t < rows; ++t) {
+      const T* xr = xp + t * H;
+      float ss = 0.f;
+      if (rp) {
+        const T* rr = rp + t * H;
+        T* sr = sp + t * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) {
+          const T s = E::store(E::load(rr[i]) + E::load(xr[i]));
+          sr[i] = s;
+          v[i] = E::load(s);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) v[i] = E::load(xr[i]);
+      }
+#pragma omp simd reduction(+:ss)
+      for (int64_t i = 0; i < H; ++i) ss += v[i] * v[i];
+      const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = op + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i)
+        o[i] = E::store(E::load(wp[i]) * E::round(v[i] * rstd));
+    }
+  }
+}
+
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+void check_cpu_float(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, ": a CPU tensor is required");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              ": float32 or bfloat16 only");
+}
+
+}  // namespace
+
+// qkv [T, >= heads*D], last dim contiguous; its first `heads` heads rotated in place
+void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+           int64_t heads, int64_t D) {
+  check_cpu_float(qkv, "rope_");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * D,
+              "rope_: qkv must be [T, >= heads*head_dim] with a contiguous last dim");
+  TORCH_CHECK(D % 2 == 0 && D <= 1024, "rope_: head_dim must be even and <= 1024");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D,
+              "rope_: cos/sin must be contiguous float32 [max_position, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+              positions.size(0) == qkv.size(0), "rope_: positions must be int64 [T]");
+  if (positions.numel()) {
+    TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
+                positions.max().item<int64_t>() < cos.size(0),
+                "rope_: a position is outside the rotary table");
+  }
+  if (is_bf16(qkv)) rope_impl<BF16>(qkv, positions, cos, sin, heads, D);
+  else rope_impl<F32>(qkv, positions, cos, sin, heads, D);
+}
+
+// k, v [T, Hk, D] (last dim contiguous); caches [Hk, blocks, block_size, D]
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tensor slots) {
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 4 &&
+              kc.sizes() == vc.sizes(), "write_kv: caches must be contiguous 4-D, alike");
+  TORCH_CHECK(k.scalar_type() == kc.scalar_type() && v.scalar_type() == kc.scalar_type(),
+              "write_kv: k/v and the cache must share a dtype");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 &&
+              v.stride(2) == 1 && k.size(1) == kc.size(0) && k.size(2) == kc.size(3),
+              "write_kv: k/v must be [T, kv_heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+              slots.size(0) == k.size(0), "write_kv: slot_mapping must be int64 [T]");
+  const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2);
+  const int64_t nslots = kc.size(1) * kc.size(2);
+  const int64_t es = kc.element_size();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < nslots, "write_kv: slot ", sl[t], " outside the cache");
+  char* kb = static_cast<char*>(kc.data_ptr());
+  char* vb = static_cast<char*>(vc.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < Hk; ++h) {
+      const int64_t dst = ((h * nslots) + sl[t]) * D * es;
+      std::memcpy(kb + dst, ks + (t * k.stride(0) + h * k.stride(1)) * es, D * es);
+      std::memcpy(vb + dst, vs + (t * v.stride(0) + h * v.stride(1)) * es, D * es);
+    }
+}
+
+// (RMSNorm(residual + x) * weight, residual + x); residual may be None (then just x)
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
+                                     at::Tensor weight, double eps) {
+  check_cpu_float(x, "add_rms_norm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) <= 8192,
+              "add_rms_norm: x must be contiguous [T, hidden <= 8192]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+              weight.numel() == x.size(1), "add_rms_norm: weight must match x");
+  const at::Tensor* res = nullptr;
+  at::Tensor sum = x;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == x.scalar_type(),
+                "add_rms_norm: residual must match x");
+    res = &residual.value();
+    sum = at::empty_like(x);
+  }
+  at::Tensor out = at::empty_like(x);
+  if (is_bf16(x)) add_rms_norm_impl<BF16>(x, res, weight, out, sum, eps);
+  else add_rms_norm_impl<F32>(x, res, weight, out, sum, eps);
+  return {out, sum};
+}
+
+"""
+
+EXTENSION = CpuExtension(
+    "pdserve_cpu_fused_ops_v6", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
+    ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "PDSERVE_CPU_FUSED_OPS",
+    "CPU fused decoder ops", openmp=False)
+
+# dtypes each op may take in the model: the exact ones for float32 and bfloat16, the norm
+# (whose float32 result could differ from torch's in the last bit) for bfloat16 only
+EXACT_DTYPES = (torch.float32, torch.bfloat16)
+NEAR_DTYPES = (torch.bfloat16,)
+
+
+def usable(x: torch.Tensor, dtypes: tuple) -> bool:
+    """True when the fused op may serve `x`: CPU, a dtype it is used for, no autograd
+    (training runs the torch ops) and the extension built."""
+    return (x.device.type == "cpu" and x.dtype in dtypes and not torch.is_grad_enabled()
+            and EXTENSION.load() is not None)
+
+
+def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          heads: int, head_dim: int) -> None:
+    EXTENSION.load().rope_(qkv, positions, cos, sin, heads, head_dim)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    EXTENSION.load().write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, total = EXTENSION.load().add_rms_norm(x, residual, weight, eps)
+    return out, total
+

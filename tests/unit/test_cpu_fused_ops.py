@@ -1,0 +1,104 @@
+"""The fused CPU decoder ops against the torch ops they replace.
+
+rope_ and write_kv must be bit-identical (float32 and bfloat16); add_rms_norm (used for
+bfloat16 only) may differ from torch's in the last bit where its float32 sum runs in
+another order, which bfloat16's rounding nearly always absorbs: two bfloat16 ulps at most,
+and almost every element equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import write_slots
+from engine.layers import cpu_fused_ops
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert cpu_fused_ops.EXTENSION.load() is not None, cpu_fused_ops.EXTENSION.failed
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 ulps (same-sign values: the bit patterns' difference)."""
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ai - bi).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128)])
+def test_rope_matches_the_torch_rotary_bitwise(dtype, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * head_dim)
+    rot = RotaryEmbedding(head_dim, 4096, 10000.0)
+    t = 37
+    qkv = (torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
+    cos, sin = rot.lookup(positions, dtype)
+    want = rot.rotate(qk, cos, sin)
+    got = qkv.clone()
+    with torch.inference_mode():
+        cpu_fused_ops.rope_(got, positions, rot.cos, rot.sin_signed, heads + kv_heads,
+                            head_dim)
+    rotated = got[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
+    assert torch.equal(rotated, want)
+    # V is left alone
+    assert torch.equal(got[:, (heads + kv_heads) * head_dim:],
+                       qkv[:, (heads + kv_heads) * head_dim:])
+
+
+def test_rope_rejects_a_position_outside_the_table():
+    rot = RotaryEmbedding(8, 16, 10000.0)
+    qkv = torch.zeros(2, 3 * 8)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        cpu_fused_ops.rope_(qkv, torch.tensor([3, 16]), rot.cos, rot.sin_signed, 2, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_index_copy(dtype):
+    g = torch.Generator().manual_seed(1)
+    hk, blocks, bs, d, t = 3, 10, 4, 16, 9
+    kc, vc = (torch.randn(hk, blocks, bs, d, generator=g).to(dtype) for _ in range(2))
+    qkv = torch.randn(t, (4 + 2 * hk) * d, generator=g).to(dtype)     # strided k and v
+    k = qkv[:, 4 * d:(4 + hk) * d].view(t, hk, d)
+    v = qkv[:, (4 + hk) * d:].view(t, hk, d)
+    slots = torch.randperm(blocks * bs, generator=g)[:t]
+    want_k, want_v = kc.clone(), vc.clone()
+    write_slots(want_k, slots, k)
+    write_slots(want_v, slots, v)
+    cpu_fused_ops.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_fused_ops.write_kv(k, v, kc, vc, torch.full((t,), blocks * bs))
+
+
+@pytest.mark.parametrize("hidden,rows", [(576, 1), (576, 32), (64, 300), (960, 2048)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_bf16_within_two_ulps_of_torch(hidden, rows, with_residual):
+    g = torch.Generator().manual_seed(hidden + rows)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=g) * 0.5 + 1
+    norm.bfloat16()
+    x = (torch.randn(rows, hidden, generator=g) * 3).bfloat16()
+    res = (torch.randn(rows, hidden, generator=g) * 3).bfloat16() if with_residual else None
+    total = x + res if with_residual else x
+    want = norm.weight * torch.rms_norm(total.float(), (hidden,), eps=1e-5).bfloat16()
+    out, got_total = cpu_fused_ops.add_rms_norm(x, res, norm.weight, 1e-5)
+    assert torch.equal(got_total, total)           # the residual add is exact
+    # a last-bit difference in rstd can move the normalised value one ulp, and the
+    # product with the weight (rounded again) one more; about 2 elements in 10,000 differ
+    ulps = _ulps(out, want)
+    assert int(ulps.max()) <= 2
+    assert float((ulps == 0).float().mean()) > 0.999
+
+
+def test_usable_only_for_cpu_inference_in_its_dtypes():
+    x = torch.zeros(2, 4, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert cpu_fused_ops.usable(x, cpu_fused_ops.NEAR_DTYPES)
+        assert not cpu_fused_ops.usable(x.float(), cpu_fused_ops.NEAR_DTYPES)
+        assert cpu_fused_ops.usable(x.float(), cpu_fused_ops.EXACT_DTYPES)
+    assert not cpu_fused_ops.usable(x, cpu_fused_ops.EXACT_DTYPES)   # autograd on: torch
