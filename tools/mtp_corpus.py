@@ -67,6 +67,49 @@ CHAT = ["Tell me about {t}.", "Write a short story about {t}.",
         "Describe {t} in detail.", "Write a blog post about {t}."]
 HELD_OUT_CHAT = CHAT[:4]
 
+# The second corpus part (the head shipped since stop 10): more topics, more request
+# styles, and the new styles on the first part's topics too, for about 3x the tokens.
+EXTRA_TOPICS = [
+    "a lemonade stand", "the Roman Colosseum", "kangaroos", "volleyball", "the stock exchange",
+    "a mountain cabin", "penicillin", "the telephone", "a broken robot", "a city at night",
+    "the printing of money", "polar bears", "sourdough bread", "a chess club", "tidal waves",
+    "a dog show", "the Great Barrier Reef", "algebra homework", "a zoo keeper", "solar eclipses",
+    "the history of the bicycle", "a violin maker", "a rainy Sunday", "crop rotation",
+    "the Greek gods", "a lighthouse keeper's diary", "fossils", "a broken promise",
+    "the first airplane flight", "a coffee shop", "electricity", "a desert island",
+    "the Olympic torch", "lions", "the history of writing", "a spelling bee", "tsunamis",
+    "the human stomach", "a birthday cake", "a hiking trail", "the ozone layer", "pottery",
+    "a spaceship crew", "a forest fire ranger", "nuclear energy", "the Industrial age",
+    "a treehouse", "plate tectonics", "giraffes", "a school play", "the radio", "calligraphy",
+    "a market stall", "a storm at sea", "a new neighbour", "the kidneys", "dolphins",
+    "the history of medicine", "a lost wallet", "a snowman", "the first Moon rover",
+    "a robot dog", "yoga", "coral", "the Mississippi river", "a chocolate factory", "comets",
+    "electric guitars", "a bakery in Paris", "the printing of books", "a magician",
+    "sunflowers", "an abandoned train station", "the rule of law", "the Great Fire of London",
+    "an ant colony", "a cooking competition", "the northern lights", "gold mining",
+    "a vegetable garden", "the history of tea", "a quiet lake", "computer viruses",
+    "a family reunion", "jellyfish", "a circus", "the Channel Tunnel", "parrots",
+    "learning a new language", "a flower shop", "the bones of the hand", "bees and flowers",
+    "a robot teacher", "the blue whale", "pirates of the Caribbean", "a haunted castle",
+    "the Declaration of Independence", "a long winter", "rock climbing", "the ocean floor",
+    "a lost city", "board games", "the first cars", "a city bus", "salt", "a mountain village",
+    "recycling paper", "carbon dioxide", "an astronaut's day", "a kind stranger", "the desert",
+    "the tides", "a marathon runner", "a honey farm", "the Golden Gate Bridge", "tomatoes",
+    "a bookshop", "the history of money", "penguins' cousins the puffins", "wind and weather",
+    "a missing cat", "a summer camp", "antibiotics", "a street musician", "human memory",
+    "a small robot", "the Great Lakes", "the invention of the wheel", "a paper mill",
+    "the night sky", "a rainy city", "a soccer coach", "the history of jeans", "cactus plants",
+    "a young inventor", "the ocean currents", "the life of a bee", "a festival of lights",
+    "an old clock", "volcanic islands", "electric bikes", "a medieval knight", "a pet hamster",
+    "the Atlantic Ocean", "a secret tunnel", "the first photograph", "chemistry experiments",
+    "a quiet morning", "the history of the Olympics", "a winter storm", "mountain goats",
+]
+EXTRA_CHAT = ["Can you explain how {t} works?", "Write a letter to a friend about {t}.",
+              "List five interesting things about {t}.", "Write a news article about {t}.",
+              "What would a day with {t} look like?", "Describe the history of {t}.",
+              "Write a children's story about {t}.", "What should a beginner know about {t}?",
+              "Compare {t} with something similar.", "Write a short essay on {t}."]
+
 
 def _bench_topics() -> list[str]:
     try:
@@ -78,7 +121,7 @@ def _bench_topics() -> list[str]:
 
 def check_disjoint() -> None:
     """Training topics must not include the bench's or the held-out ones."""
-    train = {t.lower() for t in TOPICS}
+    train = {t.lower() for t in TOPICS + EXTRA_TOPICS}
     for name, other in (("bench", _bench_topics()), ("held-out", HELD_OUT_TOPICS)):
         both = train & {t.lower() for t in other}
         if both:
@@ -86,15 +129,46 @@ def check_disjoint() -> None:
 
 
 def chat_prompts(topics: list[str], templates: list[str], tokenizer,
-                 per_topic: int, rng: random.Random) -> list[list[int]]:
-    """`per_topic` chat requests per topic (templates sampled without replacement)."""
+                 per_topic: int, rng: random.Random,
+                 used: set | None = None) -> list[list[int]]:
+    """`per_topic` chat requests per topic (templates sampled without replacement); the
+    (topic, template) pairs drawn go into `used`."""
     out = []
     for t in topics:
         for tmpl in rng.sample(templates, min(per_topic, len(templates))):
-            text = tokenizer.apply_chat_template([{"role": "user",
-                                                   "content": tmpl.format(t=t)}], True)
-            out.append(tokenizer.encode(text, add_special_tokens=False))
+            out.append(_encode(tokenizer, tmpl.format(t=t)))
+            if used is not None:
+                used.add((t, tmpl))
     return out
+
+
+def unused_prompts(topics: list[str], templates: list[str], tokenizer,
+                   used: set) -> list[list[int]]:
+    """Every (topic, template) request not in `used`, in a fixed order."""
+    return [_encode(tokenizer, tmpl.format(t=t)) for t in topics for tmpl in templates
+            if (t, tmpl) not in used]
+
+
+def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts: int
+                   ) -> tuple[list[list[list[int]]], list[list[int]]]:
+    """(training prompts of each corpus part, held-out prompts), drawn from `seed` in a
+    fixed order, so a part's cached answers stay valid when later parts are added.
+    Part 1: TOPICS x CHAT, `per_topic` each; part 2: EXTRA_TOPICS x (CHAT + EXTRA_CHAT),
+    `per_topic` + 2 each, and TOPICS x EXTRA_CHAT, 6 each; part 3: every pair of
+    (TOPICS + EXTRA_TOPICS) x (CHAT + EXTRA_CHAT) not drawn yet."""
+    rng, used = random.Random(seed), set()
+    topics = TOPICS[:num_topics]
+    p1 = chat_prompts(topics, CHAT, tokenizer, per_topic, rng, used)
+    held = chat_prompts(HELD_OUT_TOPICS, HELD_OUT_CHAT, tokenizer, len(HELD_OUT_CHAT), rng)
+    p2 = (chat_prompts(EXTRA_TOPICS, CHAT + EXTRA_CHAT, tokenizer, per_topic + 2, rng, used)
+          + chat_prompts(topics, EXTRA_CHAT, tokenizer, 6, rng, used))
+    p3 = unused_prompts(topics + EXTRA_TOPICS, CHAT + EXTRA_CHAT, tokenizer, used)
+    return [p1, p2, p3][:parts], held
+
+
+def _encode(tokenizer, request: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": request}], True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def generate_corpus(model_dir: str, prompts: list[list[int]], max_new: int, dtype: str,

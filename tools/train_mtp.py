@@ -1,10 +1,13 @@
 """Train an MTP draft head for a model by self-distillation from the model's own outputs.
 
-No data is downloaded: the corpus is the model's own greedy answers to chat requests on
-188 topics (tools/mtp_corpus.py; the bench's topics and 12 held-out ones are kept out),
-generated with pdserve's engine in bfloat16 at batch 256, ignore_eos, as the bench
-decodes. Then, once: the target's final hidden states h_t (the tensor the engine hands the
-draft) and its top-K next-token distributions at every position are computed and kept.
+No data is downloaded: the corpus is the model's own greedy answers to chat requests
+(tools/mtp_corpus.py; the bench's topics and 12 held-out ones are kept out), generated
+with pdserve's engine in bfloat16 at batch 256, ignore_eos, as the bench decodes, in
+three parts (`corpus_prompts`): 1,504 requests on 188 topics in 10 styles; 2,638 on 151
+more topics and 10 more styles; then the 2,638 (topic, style) pairs not drawn yet: 6,780
+requests, ~870k generated tokens. Then, once: the target's final hidden states h_t (the
+tensor the engine hands the draft) and its top-K next-token distributions at every
+position are computed and kept (a feature cache made from fewer parts is extended).
 Only the head trains: at row t it sees (h_t, x_{t+1}) and learns the target's
 distribution at t+1, the prediction of x_{t+2}; a second, unrolled step feeds the head's
 own hidden state back with x_{t+2} (as the engine's later draft steps do) and learns the
@@ -16,11 +19,11 @@ final norm. The result is a small safetensors file under DeepSeek-V3 keys
 (model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
 The shipped head (engine/models/assets/smollm2_mtp.safetensors) was made with the
-defaults, one torch thread, on the 2-core development box:
+defaults, two torch threads, on the 2-core development box:
 
     python tools/train_mtp.py --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
-        --out engine/models/assets/smollm2_mtp.safetensors --threads 1 \
-        --corpus-cache /tmp/mtp2/corpus.pt --cache /tmp/mtp2/feat.pt
+        --out engine/models/assets/smollm2_mtp.safetensors --threads 2 \
+        --corpus-cache /tmp/mtp3/corpus.pt --cache /tmp/mtp3/feat.pt
 
 (the caches only skip regenerating the corpus / recomputing features on a rerun; the
 timings of the first run are in docs/PERFORMANCE.md).
@@ -45,14 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.mtp import DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
-from tools.mtp_corpus import (  # noqa: E402
-    CHAT,
-    HELD_OUT_CHAT,
-    HELD_OUT_TOPICS,
-    TOPICS,
-    chat_prompts,
-    generate_corpus,
-)
+from tools.mtp_corpus import TOPICS, corpus_prompts, generate_corpus  # noqa: E402
 
 
 class DenseCausal:
@@ -236,29 +232,72 @@ def evaluate(mtp, dense, data, idx) -> tuple[float, float]:
     return hits1 / max(n, 1), hits2 / max(hits1, 1)
 
 
-def build_features(args, tok, rng: random.Random):
+def build_corpus(args, tok) -> tuple[list[tuple[list[int], int]], int]:
+    """(training sequences of every part, then the held-out ones; number of training
+    sequences). Each part's answers are cached beside --corpus-cache (part 1 in that
+    file with the held-out answers, part k > 1 in <stem>-part<k>.pt)."""
+    parts, held = corpus_prompts(tok, args.seed, args.num_topics, args.templates_per_topic,
+                                 args.corpus_parts)
+    base = Path(args.corpus_cache) if args.corpus_cache else None
+    train: list = []
+    held_seqs: list = []
+    for k, prompts in enumerate(parts, start=1):
+        path = (None if base is None else
+                base if k == 1 else base.with_name(f"{base.stem}-part{k}.pt"))
+        if path is not None and path.is_file():
+            got = torch.load(path)
+        else:
+            extra = held if k == 1 else []
+            got = generate_corpus(args.model, prompts + extra, args.max_new,
+                                  args.gen_dtype, args.gen_batch)
+            got = (got, len(prompts)) if k == 1 else got
+            if path is not None:
+                torch.save(got, path)
+        if k == 1:
+            seqs1, n1 = got
+            train += seqs1[:n1]
+            held_seqs = seqs1[n1:]
+        else:
+            train += got
+    return train + held_seqs, len(train)
+
+
+def extend_features(args, model, seqs, n_train: int, cached, n_cached: int):
+    """Features of a grown corpus from a cache of its first parts: the cached training
+    rows, the new parts' rows computed at the cache's length, the cached held-out rows."""
+    *old, scale = cached
+    seq_len = old[0].shape[1]
+    new = target_features(model, seqs[n_cached:n_train], seq_len, args.topk,
+                          args.feature_batch)
+    merged = [torch.cat((o[:n_cached], x, o[n_cached:])) for o, x in zip(old, new,
+                                                                          strict=True)]
+    return (*merged, scale)
+
+
+def build_features(args, tok, cached=None, n_cached: int = 0):
     """(toks, gen, hid, top_lp, top_id, residual scales), number of training sequences."""
-    corpus_cache = Path(args.corpus_cache) if args.corpus_cache else None
-    if corpus_cache is not None and corpus_cache.is_file():
-        seqs, n_train = torch.load(corpus_cache)
-    else:
-        train = chat_prompts(TOPICS[:args.num_topics], CHAT, tok, args.templates_per_topic,
-                             rng)
-        held = chat_prompts(HELD_OUT_TOPICS, HELD_OUT_CHAT, tok, len(HELD_OUT_CHAT), rng)
-        seqs = generate_corpus(args.model, train + held, args.max_new, args.gen_dtype,
-                               args.gen_batch)
-        n_train = len(train)
-        if corpus_cache is not None:
-            torch.save((seqs, n_train), corpus_cache)
+    seqs, n_train = build_corpus(args, tok)
     n_gen = sum(len(s) - p for s, p in seqs[:n_train])
     print(f"corpus: {n_train} training sequences ({n_gen} generated tokens, "
           f"{sum(len(s) for s, _ in seqs[:n_train])} in all), {len(seqs) - n_train} "
           "held out", flush=True)
     seq_len = min(args.seq_len, max(len(s) for s, _ in seqs))
     model, _ = load_model(args.model, getattr(torch, args.feature_dtype), torch.device("cpu"))
+    if cached is not None:
+        toks = cached[0]
+        n_held = toks.shape[0] - n_cached
+        if n_held != len(seqs) - n_train or not _same_rows(toks, seqs[:n_cached]
+                                                           + seqs[n_train:]):
+            raise ValueError("the feature cache does not hold this corpus's first parts")
+        return extend_features(args, model, seqs, n_train, cached, n_cached), n_train
     data = target_features(model, seqs, seq_len, args.topk, args.feature_batch)
     model.float()
     return (*data, residual_scale(model, data[0][:2])), n_train
+
+
+def _same_rows(toks: torch.Tensor, seqs) -> bool:
+    return all(toks[i, :min(len(s), toks.shape[1])].tolist() == s[:toks.shape[1]]
+               for i, (s, _) in enumerate(seqs))
 
 
 def train(args, mtp, dense, data, n_train, vocab_size, rng, held: list[int]) -> None:
@@ -319,6 +358,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="safetensors file to write (bf16)")
     ap.add_argument("--num-topics", type=int, default=len(TOPICS))
     ap.add_argument("--templates-per-topic", type=int, default=8)
+    ap.add_argument("--corpus-parts", type=int, default=3, choices=(1, 2, 3),
+                    help="corpus parts to train on (tools/mtp_corpus.py corpus_prompts)")
     ap.add_argument("--max-new", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument("--gen-dtype", default="bfloat16", help="dtype the corpus is made in")
     ap.add_argument("--gen-batch", type=int, default=256)
@@ -327,7 +368,7 @@ def main() -> int:
     ap.add_argument("--feature-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--topk", type=int, default=20, help="teacher distribution support")
-    ap.add_argument("--epochs", type=int, default=14)
+    ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--bf16-train", action=argparse.BooleanOptionalAction, default=True,
@@ -353,10 +394,17 @@ def main() -> int:
     from engine.tokenizer import Tokenizer
     tok = Tokenizer(args.model)
     cache = Path(args.cache) if args.cache else None
+    data = None
     if cache is not None and cache.is_file():
         data, n_train = torch.load(cache)
-    else:
-        data, n_train = build_features(args, tok, rng)
+        want = sum(len(p) for p in corpus_prompts(tok, args.seed, args.num_topics,
+                                                  args.templates_per_topic,
+                                                  args.corpus_parts)[0])
+        if n_train != want:     # made from fewer corpus parts: compute the rest
+            data, n_train = build_features(args, tok, data, n_train)
+            torch.save((data, n_train), cache)
+    if data is None:
+        data, n_train = build_features(args, tok)
         if cache is not None:
             torch.save((data, n_train), cache)
     toks, gen, hid, top_lp, top_id, scale = data
