@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
         (norm(x), x). One fused call on CPU in bfloat16 (engine/layers/cpu_fused_ops.py)."""
         if (cpu_fused_ops.usable(x, cpu_fused_ops.NEAR_DTYPES) and x.dim() == 2
                 and self.weight.dtype == x.dtype):
-            return cpu_fused_ops.add_rms_norm(x.contiguous(), residual, self.weight,
-                                              self.eps)
+            return cpu_fused_ops.add_rms_norm(
+                x.contiguous(), None if residual is None else residual.contiguous(),
+                self.weight, self.eps)
         total = x if residual is None else residual + x
         return self(total), total
