@@ -74,32 +74,30 @@ void rope_impl(at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cos,
   const int64_t* p = pos.data_ptr<int64_t>();
   const float* ct = cos.data_ptr<float>();
   const float* st = sin.data_ptr<float>();
-  {
-    float x[1024], c[1024], s[1024];
-    for (int64_t t = 0; t < rows; ++t) {
-      const float* cr = ct + p[t] * D;
-      const float* sr = st + p[t] * D;
+  float x[1024], c[1024], s[1024];
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* cr = ct + p[t] * D;
+    const float* sr = st + p[t] * D;
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) { c[i] = E::round(cr[i]); s[i] = E::round(sr[i]); }
-      for (int64_t h = 0; h < heads; ++h) {
-        T* xh = base + t * stride + h * D;
+    for (int64_t i = 0; i < D; ++i) { c[i] = E::round(cr[i]); s[i] = E::round(sr[i]); }
+    for (int64_t h = 0; h < heads; ++h) {
+      T* xh = base + t * stride + h * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) x[i] = E::load(xh[i]);
+      for (int64_t i = 0; i < D; ++i) x[i] = E::load(xh[i]);
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i)
-          xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i + half] * s[i]));
+      for (int64_t i = 0; i < half; ++i)
+        xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i + half] * s[i]));
 #pragma omp simd
-        for (int64_t i = half; i < D; ++i)
-          xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i - half] * s[i]));
-      }
+      for (int64_t i = half; i < D; ++i)
+        xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i - half] * s[i]));
     }
   }
 }
 
-template <class E>
-void add_rms_norm_impl(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w,
+void add_rms_norm_bf16(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w,
                        at::Tensor& out, at::Tensor& sum, double eps_d) {
-  using T = typename E::T;
+  using E = BF16;
+  using T = E::T;
   const int64_t rows = x.size(0), H = x.size(1);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const T* rp = res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr;
@@ -107,32 +105,30 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor* res, const at::Ten
   T* op = reinterpret_cast<T*>(out.data_ptr());
   T* sp = reinterpret_cast<T*>(sum.data_ptr());
   const float eps = static_cast<float>(eps_d);
-  {
-    float v[8192];
-    for (int64_t t = 0; t < rows; ++t) {
-      const T* xr = xp + t * H;
-      float ss = 0.f;
-      if (rp) {
-        const T* rr = rp + t * H;
-        T* sr = sp + t * H;
+  float v[8192];
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* xr = xp + t * H;
+    float ss = 0.f;
+    if (rp) {
+      const T* rr = rp + t * H;
+      T* sr = sp + t * H;
 #pragma omp simd
-        for (int64_t i = 0; i < H; ++i) {
-          const T s = E::store(E::load(rr[i]) + E::load(xr[i]));
-          sr[i] = s;
-          v[i] = E::load(s);
-        }
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) v[i] = E::load(xr[i]);
+      for (int64_t i = 0; i < H; ++i) {
+        const T s = E::store(E::load(rr[i]) + E::load(xr[i]));
+        sr[i] = s;
+        v[i] = E::load(s);
       }
-#pragma omp simd reduction(+:ss)
-      for (int64_t i = 0; i < H; ++i) ss += v[i] * v[i];
-      const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-      T* o = op + t * H;
+    } else {
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i)
-        o[i] = E::store(E::load(wp[i]) * E::round(v[i] * rstd));
+      for (int64_t i = 0; i < H; ++i) v[i] = E::load(xr[i]);
     }
+#pragma omp simd reduction(+:ss)
+    for (int64_t i = 0; i < H; ++i) ss += v[i] * v[i];
+    const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    T* o = op + t * H;
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i)
+      o[i] = E::store(E::load(wp[i]) * E::round(v[i] * rstd));
   }
 }
 
@@ -158,11 +154,9 @@ void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
               "rope_: cos/sin must be contiguous float32 [max_position, head_dim]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
               positions.size(0) == qkv.size(0), "rope_: positions must be int64 [T]");
-  if (positions.numel()) {
-    TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
-                positions.max().item<int64_t>() < cos.size(0),
-                "rope_: a position is outside the rotary table");
-  }
+  const int64_t* p = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(p[t] >= 0 && p[t] < cos.size(0), "rope_: a position is outside the rotary table");
   if (is_bf16(qkv)) rope_impl<BF16>(qkv, positions, cos, sin, heads, D);
   else rope_impl<F32>(qkv, positions, cos, sin, heads, D);
 }
@@ -199,7 +193,8 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tens
 // (RMSNorm(residual + x) * weight, residual + x); residual may be None (then just x)
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual,
                                      at::Tensor weight, double eps) {
-  check_cpu_float(x, "add_rms_norm");
+  TORCH_CHECK(x.device().is_cpu() && is_bf16(x), "add_rms_norm: a CPU bfloat16 tensor is "
+              "required (float32 keeps torch's norm, bit-equal to HF's)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) <= 8192,
               "add_rms_norm: x must be contiguous [T, hidden <= 8192]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
@@ -214,15 +209,14 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
     sum = at::empty_like(x);
   }
   at::Tensor out = at::empty_like(x);
-  if (is_bf16(x)) add_rms_norm_impl<BF16>(x, res, weight, out, sum, eps);
-  else add_rms_norm_impl<F32>(x, res, weight, out, sum, eps);
+  add_rms_norm_bf16(x, res, weight, out, sum, eps);
   return {out, sum};
 }
 
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_fused_ops_v6", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
+    "pdserve_cpu_fused_ops_v7", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
     ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "PDSERVE_CPU_FUSED_OPS",
     "CPU fused decoder ops", openmp=False)
 
@@ -251,6 +245,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out, total = EXTENSION.load().add_rms_norm(x, residual, weight, eps)
-    return out, total
+    return tuple(EXTENSION.load().add_rms_norm(x, residual, weight, eps))
 

@@ -102,3 +102,10 @@ def test_usable_only_for_cpu_inference_in_its_dtypes():
         assert not cpu_fused_ops.usable(x.float(), cpu_fused_ops.NEAR_DTYPES)
         assert cpu_fused_ops.usable(x.float(), cpu_fused_ops.EXACT_DTYPES)
     assert not cpu_fused_ops.usable(x, cpu_fused_ops.EXACT_DTYPES)   # autograd on: torch
+
+
+def test_add_rms_norm_refuses_float32():
+    """float32 keeps torch's norm (bit-equal to HF's): the kernel takes bfloat16 only."""
+    x = torch.ones(2, 8)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_fused_ops.add_rms_norm(x, None, torch.ones(8), 1e-5)
