@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     if args.model:
         folder = Path(args.model)
     else:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         folder = Path(prepare_default_model(progress=True))
     facts = machine_facts()
     if args.device.startswith("cuda"):

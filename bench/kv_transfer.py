@@ -38,11 +38,11 @@ CHUNK = 4 << 20
 
 # ---- node processes -----------------------------------------------------------------------
 def start_node(role: str, model: str, opts: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
-    from cluster.etcd_server import free_port
+    from launch.etcd_server import free_port
     port = free_port()
     ready = tmp / f"{role}.ready"
     log = open(tmp / f"{role}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", role, "--listen",
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", role, "--listen",
                              f"127.0.0.1:{port}", "--etcd", "none", "--ready-file", str(ready),
                              "--model", model, *opts], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -230,7 +230,7 @@ def main() -> int:
     from bench.common import machine_facts
     model = args.model
     if model is None:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         model = str(prepare_default_model(progress=True))
     print("machine:", machine_facts())
     engine_opts = dict(dtype=args.dtype, block_size=16, max_num_batched_tokens=max(

@@ -175,7 +175,7 @@ def bench_builder(vocab: int, block_size: int, n_seqs: int, runs: int, seed: int
 
 def model_folder(name: str, args, tmp: Path) -> Path:
     if name == "smollm2":
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
 
         return Path(prepare_default_model(progress=False))
     if name == "random100m":

@@ -181,12 +181,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
 
-    from cluster.local_cluster import LocalCluster, LocalClusterConfig
+    from launch.local_cluster import LocalCluster, LocalClusterConfig
     from router.model_info import ModelInfo
 
     model = args.model
     if model is None:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         model = str(prepare_default_model(progress=True))
     info = ModelInfo.from_folder(model)
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))

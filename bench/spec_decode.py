@@ -108,7 +108,7 @@ def main() -> int:
     if args.model:
         folder = Path(args.model)
     else:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         folder = prepare_default_model()
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]

@@ -1,1 +1,2 @@
-"""pdserve cluster processes (router, prefill and decode nodes) and the `pdserve` CLI."""
+"""The substrate the nodes and the router share: etcd discovery, KV transfer, proto
+conversion, a node's engine thread and gRPC server. It imports only `engine`."""

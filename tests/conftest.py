@@ -14,6 +14,6 @@ DEFAULT_MODEL_CACHE = REPO / ".venv" / "pdserve-cache"
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct HF folder (converted from the GGUF on first use)."""
-    from engine.models.default_model import prepare_default_model
+    from launch.default_model import prepare_default_model
 
     return prepare_default_model(DEFAULT_MODEL_CACHE, progress=False)

@@ -18,11 +18,11 @@ The decoder layer starts as a copy of the target's last layer and shared_head.no
 final norm. The result is a small safetensors file under DeepSeek-V3 keys
 (model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
-The shipped head (engine/models/assets/smollm2_mtp.safetensors) was made with the
+The shipped head (launch/assets/smollm2_mtp.safetensors) was made with the
 defaults, two torch threads, on the 2-core development box:
 
     python tools/train_mtp.py --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
-        --out engine/models/assets/smollm2_mtp.safetensors --threads 2 \
+        --out launch/assets/smollm2_mtp.safetensors --threads 2 \
         --corpus-cache /tmp/mtp3/corpus.pt --cache /tmp/mtp3/feat.pt
 
 (the caches only skip regenerating the corpus / recomputing features on a rerun; the

@@ -1,1 +1,1 @@
-"""Model definitions, checkpoint loading and the default model."""
+"""Model definitions and checkpoint loading."""

@@ -1,5 +1,5 @@
 """The manifests against the code: every `pdserve ...` container is parsed by the pdserve CLI's
-own parser (cluster.cli.build_parser) with the environment the pod would have, and what the
+own parser (launch.cli.build_parser) with the environment the pod would have, and what the
 parsed flags say (ports, hosts, drain timeout, model folder, etcd endpoints, device) is
 compared with the container's ports, probes, grace period, volumes and the Services.
 
@@ -21,7 +21,7 @@ from pathlib import PurePosixPath
 from tests.deploy.manifests import SAMPLE_POD_IP, ContainerView, find, one
 
 WILDCARD = ("0.0.0.0", "::", "[::]", "")
-# Env variables pdserve reads that are not flags (engine/models/default_model.py).
+# Env variables pdserve reads that are not flags (launch/default_model.py).
 NON_FLAG_ENV = frozenset({"PDSERVE_CACHE_DIR"})
 _ENV_IN_HELP = re.compile(r"\[env (PDSERVE_[A-Z0-9_]+)\]")
 # What each accelerator device flag needs from the scheduler.
@@ -66,8 +66,8 @@ def _all_actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
 
 def parse_pdserve(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
     """Parse `pdserve ARGV` as the container would run it; CliRejected says why not."""
-    from cluster.cli import build_parser
-    from cluster.cli_common import CliError
+    from launch.cli import build_parser
+    from launch.cli_common import CliError
 
     if argv[:1] != ["pdserve"] or len(argv) < 2:
         raise CliRejected(f"not a pdserve command: {argv}")
@@ -273,7 +273,7 @@ def runtime_config_problems(c: ContainerView, args: argparse.Namespace) -> list[
     would hit at start): EngineConfig for nodes, RouterConfig for the router."""
     try:
         if args.command in ("prefill", "decode") and args.model is not None:
-            from cluster.commands.node_options import engine_config_from_args
+            from launch.commands.node_options import engine_config_from_args
 
             engine_config_from_args(args)
         elif args.command == "router":
@@ -306,7 +306,7 @@ def check_container(c: ContainerView, objects: list[dict]) -> tuple[argparse.Nam
         else:
             problems += check_model_mount(c, args.model, writable=False)
     if args.command == "models" and args.models_command == "prepare":
-        from engine.models.default_model import model_dir
+        from launch.default_model import model_dir
 
         folder = str(model_dir(args.cache_dir))
         problems += check_model_mount(c, str(args.cache_dir), writable=True)

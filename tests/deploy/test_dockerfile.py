@@ -67,7 +67,7 @@ def test_runs_as_the_non_root_user_the_pods_use(docker, rendered):
 
 def test_entrypoint_and_healthcheck_exist_in_the_code(docker, pyproject):
     assert json.loads(_args(docker, "ENTRYPOINT")[0]) == ["pdserve"]
-    assert pyproject["project"]["scripts"]["pdserve"] == "cluster.cli:main"
+    assert pyproject["project"]["scripts"]["pdserve"] == "launch.cli:main"
     healthcheck = _args(docker, "HEALTHCHECK")[0]
     command = json.loads(healthcheck.split(" CMD ", 1)[1])
     assert command[:2] == ["python", "-m"]
@@ -75,7 +75,7 @@ def test_entrypoint_and_healthcheck_exist_in_the_code(docker, pyproject):
 
 
 def test_exposes_the_cli_default_ports(docker):
-    from cluster.cli import build_parser
+    from launch.cli import build_parser
 
     parser = build_parser()
     defaults = {parser.parse_args(["router"]).http, parser.parse_args(["router"]).grpc,

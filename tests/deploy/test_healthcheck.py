@@ -1,4 +1,4 @@
-"""cluster.healthcheck (the image's HEALTHCHECK): which role and address it finds in a pdserve
+"""launch.healthcheck (the image's HEALTHCHECK): which role and address it finds in a pdserve
 command line, and real probes against a real gRPC health server and a real HTTP server on
 loopback."""
 
@@ -12,14 +12,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster import healthcheck
-from cluster.healthcheck import HealthTarget, pdserve_argv, probe_address, target_from_argv
+from launch import healthcheck
+from launch.healthcheck import HealthTarget, pdserve_argv, probe_address, target_from_argv
 
 
 @pytest.mark.parametrize("cmdline,argv", [
     (["pdserve", "router", "--http", "0.0.0.0:8000"], ["router", "--http", "0.0.0.0:8000"]),
     (["/opt/pdserve/bin/python", "/opt/pdserve/bin/pdserve", "decode"], ["decode"]),
-    (["python", "-m", "cluster.cli", "prefill", "--listen", ":1"], ["prefill", "--listen", ":1"]),
+    (["python", "-m", "launch.cli", "prefill", "--listen", ":1"], ["prefill", "--listen", ":1"]),
     (["sleep", "infinity"], None),
 ])
 def test_pdserve_argv(cmdline, argv):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import healthcheck
-from cluster.etcd_server import EtcdServer, free_port
+from launch import healthcheck
+from launch.etcd_server import EtcdServer, free_port
 from tests.deploy.manifests import REPO, SAMPLE_POD_IP, pdserve_containers
 
 ROLES = ("prefill", "decode", "router")
@@ -45,7 +45,7 @@ class Launched:
         full_env = {**clean, **env, "PYTHONPATH": str(REPO),
                     "PDSERVE_READY_FILE": str(self.ready)}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", *argv[1:]],
+            self.proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *argv[1:]],
                                          cwd=REPO, env=full_env, stdout=log,
                                          stderr=subprocess.STDOUT)
 

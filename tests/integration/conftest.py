@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.etcd_server import EtcdServer, free_port
+from launch.etcd_server import EtcdServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,7 +34,7 @@ class NodeProcess:
         self.address = f"127.0.0.1:{self.port}"
         self.ready_file = tmp / f"{role}-{self.port}.ready"
         self.log_path = tmp / f"{role}-{self.port}.log"
-        cmd = [sys.executable, "-m", "cluster.cli", role, "--listen", self.address,
+        cmd = [sys.executable, "-m", "launch.cli", role, "--listen", self.address,
                "--ready-file", str(self.ready_file), *args]
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         with open(self.log_path, "wb") as log:

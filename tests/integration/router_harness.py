@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import ClientSession
 
-from cluster.local_cluster import LocalCluster, LocalClusterConfig
+from launch.local_cluster import LocalCluster, LocalClusterConfig
 from router.client import AsyncGenerationClient
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_tokenizer import add_tiny_tokenizer

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from cluster.discovery import ClusterView, EtcdRegistry, NodeLoad, NodeRecord
-from cluster.etcd_server import EtcdServer, free_port
+from launch.etcd_server import EtcdServer, free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.etcd_server import free_port
+from launch.etcd_server import free_port
 from tests.integration.router_harness import MODEL, Req, reference, tiny_model_folder
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,7 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
     folder = tiny_model_folder(tmp_path / "models")
     http_port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--model", str(folder), "--prefill", "1",
+        [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--prefill", "1",
          "--decode", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
          "--dtype", "float32", "--max-num-seqs", "4"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,

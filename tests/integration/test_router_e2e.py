@@ -185,7 +185,7 @@ def test_second_router_and_pdserve_generate(cluster, llm):
 
         # the CLI client, against the second router's gRPC API, whole and streamed
         for extra in ([], ["--stream"]):
-            proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate",
+            proc = subprocess.run([sys.executable, "-m", "launch.cli", "generate",
                                    "The quick brown fox", "--router", addrs["grpc"],
                                    "--max-tokens", "10", *extra], capture_output=True,
                                   text=True, timeout=60,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster import cli
-from engine.models import default_model as dm
+from launch import cli
+from launch import default_model as dm
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "What is the capital of France?"
@@ -24,7 +24,7 @@ FILES = {
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
-    "mtp.safetensors",  # the trained MTP draft head (engine/models/default_mtp.py)
+    "mtp.safetensors",  # the trained MTP draft head (launch/default_mtp.py)
     dm.MARKER_NAME,
 }
 _BLOCK = {
@@ -198,7 +198,7 @@ def test_cli_prepare_prints_path_last(
 
 def test_cli_subprocess(prepared: Path, cache: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "models", "prepare", "--cache-dir", str(cache)],
+        [sys.executable, "-m", "launch.cli", "models", "prepare", "--cache-dir", str(cache)],
         cwd=REPO,
         capture_output=True,
         text=True,

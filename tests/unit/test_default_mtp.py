@@ -8,7 +8,7 @@ import json
 import shutil
 
 from engine import LLM, SamplingParams
-from engine.models.default_mtp import ASSET, MTP_FILE, install_mtp_head
+from launch.default_mtp import ASSET, MTP_FILE, install_mtp_head
 from tests.tiny_models import make_tiny_model
 from tests.tiny_mtp import draft_folder
 
@@ -42,7 +42,7 @@ def test_install_adds_head_and_config_and_is_idempotent(tmp_path):
 
 
 def test_asset_is_shipped():
-    assert ASSET.is_file(), "engine/models/assets/smollm2_mtp.safetensors is missing"
+    assert ASSET.is_file(), "launch/assets/smollm2_mtp.safetensors is missing"
 
 
 def test_prepared_folder_holds_the_head(default_model_dir):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import build_parser
-from cluster.cli_common import CliError
-from cluster.commands.node_options import engine_config_from_args
-from cluster.commands.up import speculative_args
+from launch.cli import build_parser
+from launch.cli_common import CliError
+from launch.commands.node_options import engine_config_from_args
+from launch.commands.up import speculative_args
 
 
 def parse(*argv: str):
@@ -63,7 +63,7 @@ def test_bad_env_value_is_a_cli_error(monkeypatch):
 
 
 def test_bad_value_exits_2_with_one_line(capsys):
-    from cluster.cli import main
+    from launch.cli import main
     assert main(["decode", "--model", "/nonexistent", "--etcd", "none",
                  "--num-speculative-tokens", "99", "--speculative-method", "mtp"]) == 2
     err = capsys.readouterr().err
@@ -82,8 +82,8 @@ def test_up_passes_mtp_to_both_roles_and_graphs_to_decode():
 
 
 def test_local_cluster_puts_role_flags_on_the_right_nodes(tmp_path, monkeypatch):
-    from cluster import local_cluster
-    from cluster.local_cluster import LocalCluster, LocalClusterConfig
+    from launch import local_cluster
+    from launch.local_cluster import LocalCluster, LocalClusterConfig
 
     started = []
     monkeypatch.setattr(local_cluster.Child, "start", lambda self, env: started.append(self)

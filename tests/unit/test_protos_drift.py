@@ -1,10 +1,10 @@
-"""The committed stubs in protos/ must be exactly what `python -m cluster.gen_protos` makes."""
+"""The committed stubs in protos/ must be exactly what `python -m tools.gen_protos` makes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.gen_protos import PROTO_DIR, generate, proto_files
+from tools.gen_protos import PROTO_DIR, generate, proto_files
 
 
 def test_committed_stubs_match_the_protos(tmp_path: Path):
@@ -14,7 +14,7 @@ def test_committed_stubs_match_the_protos(tmp_path: Path):
                  if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))}
     assert committed == {p.name for p in fresh}, "stub files added/removed: run gen_protos"
     stale = [p.name for p in fresh if p.read_bytes() != (PROTO_DIR / p.name).read_bytes()]
-    assert not stale, f"stale stubs {stale}: run `python -m cluster.gen_protos` and commit"
+    assert not stale, f"stale stubs {stale}: run `python -m tools.gen_protos` and commit"
 
 
 def test_stubs_import_and_carry_raw_bytes():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.cli_common import CliError, env_argument
+from launch.cli_common import CliError, env_argument
 
 HELP = "send one prompt to a router over gRPC and print the answer"
 

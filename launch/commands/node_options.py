@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.cli_common import env_argument, env_flag
+from launch.cli_common import env_argument, env_flag
 
 
 def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int) -> None:
@@ -82,7 +82,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     model = args.model
     if model is None:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         model = str(prepare_default_model(progress=False))
     return EngineConfig(model=model, dtype=args.dtype, device=args.device,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,

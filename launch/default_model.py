@@ -227,7 +227,7 @@ def prepare_default_model(cache: Path | None = None, progress: bool = True) -> P
     Returns at once, without importing transformers, when the folder is already prepared.
     `cache` defaults to `cache_dir()`. Progress (a tqdm bar over STAGES) goes to stderr.
     """
-    from engine.models.default_mtp import install_mtp_head
+    from launch.default_mtp import install_mtp_head
 
     dest = model_dir(cache)
     if _read_marker(dest) is not None:

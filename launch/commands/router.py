@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.cli_common import CliError, env_argument
+from launch.cli_common import CliError, env_argument
 
 HELP = "run a router (OpenAI HTTP + gRPC API) in front of the nodes"
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model
     if model is None:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         model = str(prepare_default_model(progress=False))
     try:
         config = RouterConfig(model=model, served_model_name=args.served_model_name,

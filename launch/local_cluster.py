@@ -86,7 +86,7 @@ class LocalCluster:
     def __init__(self, config: LocalClusterConfig):
         import tempfile
 
-        from cluster.etcd_server import EtcdServer
+        from launch.etcd_server import EtcdServer
 
         if config.num_prefill < 1 or config.num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode node")
@@ -103,10 +103,10 @@ class LocalCluster:
 
     # ---- children ------------------------------------------------------------------------
     def _cli(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "cluster.cli", *args]
+        return [sys.executable, "-m", "launch.cli", *args]
 
     def add_node(self, role: str, index: int | None = None) -> Child:
-        from cluster.etcd_server import free_port
+        from launch.etcd_server import free_port
 
         index = index if index is not None else sum(1 for n in self.nodes
                                                     if n.name.startswith(role))

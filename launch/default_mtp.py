@@ -1,6 +1,6 @@
 """The trained MTP draft head of the default model, shipped in the package.
 
-`engine/models/assets/smollm2_mtp.safetensors` (bf16, DeepSeek-V3 keys
+`launch/assets/smollm2_mtp.safetensors` (bf16, DeepSeek-V3 keys
 `model.layers.30.*`, made by tools/train_mtp.py) is copied into the prepared folder as
 `mtp.safetensors`, and config.json gains `num_nextn_predict_layers: 1`. Then
 `LLM(folder, speculative_method="mtp")` finds the head and `LLM(folder)` ignores it (the

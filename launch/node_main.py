@@ -6,13 +6,13 @@ import argparse
 import asyncio
 import logging
 
-from cluster.cli_common import CliError
+from launch.cli_common import CliError
 
 log = logging.getLogger("cluster.node")
 
 
 def build_node(role: str, args: argparse.Namespace, node_id: str):
-    from cluster.commands.node_options import engine_config_from_args
+    from launch.commands.node_options import engine_config_from_args
 
     try:
         config = engine_config_from_args(args)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.cli_common import CliError
+from launch.cli_common import CliError
 
 HELP = "prepare or locate the default model"
 
@@ -23,7 +23,7 @@ def _cache(args: argparse.Namespace) -> Path | None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from engine.models.default_model import DefaultModelError, prepare_default_model
+    from launch.default_model import DefaultModelError, prepare_default_model
 
     try:
         folder = prepare_default_model(_cache(args), progress=not args.quiet)
@@ -36,7 +36,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _path(args: argparse.Namespace) -> int:
-    from engine.models.default_model import model_dir, prepared_model_dir
+    from launch.default_model import model_dir, prepared_model_dir
 
     folder = prepared_model_dir(_cache(args))
     if folder is None:

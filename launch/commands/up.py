@@ -11,13 +11,13 @@ import json
 import signal
 import time
 
-from cluster.cli_common import CliError
+from launch.cli_common import CliError
 
 HELP = "run a local PD cluster (etcd + prefill/decode nodes + router) until Ctrl-C"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from cluster.commands.node_options import speculative_method
+    from launch.commands.node_options import speculative_method
     from router.policies import DEFAULT_POLICY, POLICIES
 
     p.add_argument("--model", default=None, metavar="DIR",
@@ -78,12 +78,12 @@ def _banner(cluster, model_name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.local_cluster import LocalCluster, LocalClusterConfig
+    from launch.local_cluster import LocalCluster, LocalClusterConfig
     from router.model_info import ModelInfo
 
     model = args.model
     if model is None:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         model = str(prepare_default_model(progress=True))
     try:
         name = ModelInfo.from_folder(model).name

@@ -1,11 +1,11 @@
-"""The `pdserve` command line (console script `pdserve = cluster.cli:main`).
+"""The `pdserve` command line (console script `pdserve = launch.cli:main`).
 
 Each subcommand lives in its own module, listed in SUBCOMMANDS (name -> module). Such a
 module provides `HELP` (one line), `add_arguments(parser)` and `run(args) -> int` (the exit
 status); its docstring is the subcommand's description. Modules are imported when the
 parser is built, so they must keep top-level imports light (import torch, grpc etc. inside
 `run`). Flags of the serving commands also read env variables (PDSERVE_ETCD, PDSERVE_CLUSTER,
-...; see cluster/cli_common.py).
+...; see launch/cli_common.py).
 
 A mistake the user can fix is raised as `CliError`: one line on stderr, exit status 2, no
 traceback.
@@ -19,17 +19,17 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from cluster.cli_common import CliError
+from launch.cli_common import CliError
 
 # Order is the order shown in --help.
 SUBCOMMANDS: dict[str, str] = {
-    "models": "cluster.commands.models",
-    "up": "cluster.commands.up",
-    "router": "cluster.commands.router",
-    "prefill": "cluster.commands.prefill",
-    "decode": "cluster.commands.decode",
-    "generate": "cluster.commands.generate",
-    "offline": "cluster.commands.offline",
+    "models": "launch.commands.models",
+    "up": "launch.commands.up",
+    "router": "launch.commands.router",
+    "prefill": "launch.commands.prefill",
+    "decode": "launch.commands.decode",
+    "generate": "launch.commands.generate",
+    "offline": "launch.commands.offline",
 }
 
 EXIT_USAGE = 2
@@ -94,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m cluster.cli`: run the importable module's main, so that its CliError is the one
+    # `python -m launch.cli`: run the importable module's main, so that its CliError is the one
     # the subcommands raise (this file would otherwise be loaded twice, as two modules).
-    from cluster.cli import main as _main
+    from launch.cli import main as _main
 
     sys.exit(_main())

@@ -1,4 +1,4 @@
-"""`python -m cluster.healthcheck`: the container image's HEALTHCHECK, one command for every role.
+"""`python -m launch.healthcheck`: the container image's HEALTHCHECK, one command for every role.
 
 The image runs `pdserve ROLE ...` as PID 1, so this reads that command line
 (/proc/1/cmdline), parses it with the pdserve CLI's own parser (the same env variables apply,
@@ -45,11 +45,11 @@ class HealthTarget:
 def pdserve_argv(cmdline: Sequence[str]) -> list[str] | None:
     """The arguments after `pdserve` in a process command line: `pdserve ARGS`,
     `python /venv/bin/pdserve ARGS` (a console script run by its shebang) or
-    `python -m cluster.cli ARGS`; None when the process is not pdserve."""
+    `python -m launch.cli ARGS`; None when the process is not pdserve."""
     for i, part in enumerate(cmdline):
         if os.path.basename(part) == "pdserve":
             return list(cmdline[i + 1:])
-        if part == "-m" and i + 1 < len(cmdline) and cmdline[i + 1] == "cluster.cli":
+        if part == "-m" and i + 1 < len(cmdline) and cmdline[i + 1] == "launch.cli":
             return list(cmdline[i + 2:])
     return None
 
@@ -76,7 +76,7 @@ def target_for(args: argparse.Namespace) -> HealthTarget:
 
 
 def target_from_argv(argv: Sequence[str]) -> HealthTarget:
-    from cluster.cli import build_parser
+    from launch.cli import build_parser
 
     return target_for(build_parser().parse_args(list(argv)))
 
@@ -115,7 +115,7 @@ def check(target: HealthTarget, timeout: float) -> tuple[bool, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.healthcheck",
+    parser = argparse.ArgumentParser(prog="python -m launch.healthcheck",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--cmdline-file", type=Path, default=Path("/proc/1/cmdline"),
                         help="NUL-separated command line of the pdserve process")

@@ -18,12 +18,12 @@ HELP = "run the engine in-process on a few prompts (offline demo, no cluster)"
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli_common import CliError
     from engine import LLM, SamplingParams
+    from launch.cli_common import CliError
 
     model = args.model
     if model is None:
-        from engine.models.default_model import prepare_default_model
+        from launch.default_model import prepare_default_model
         model = prepare_default_model(progress=True)
     try:
         llm = LLM(model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.cli_common import env_argument
-from cluster.commands.node_options import add_node_arguments
+from launch.cli_common import env_argument
+from launch.commands.node_options import add_node_arguments
 
 HELP = "run a prefill node"
 
@@ -22,6 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.node_main import run_node
+    from launch.node_main import run_node
 
     return run_node("prefill", args)

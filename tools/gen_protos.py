@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC/protobuf stubs: `python -m cluster.gen_protos`.
+"""Regenerate the committed gRPC/protobuf stubs: `python -m tools.gen_protos`.
 
 Compiles every protos/*.proto with grpcio-tools (a dev dependency) into protos/ as
 *_pb2.py, *_pb2.pyi and *_pb2_grpc.py. Imports inside the stubs are `from protos import ...`,
