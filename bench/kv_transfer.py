@@ -10,8 +10,9 @@
    moving the same number of bytes, in the same chunk size, to a receiver process that
    reads them into a buffer. Reported: GB/s of both and the ratio (target >= 50%).
 2. Time to first token of a --prompt-len prompt. PD: the bench drives a prefill node and a
-   decode node (both real processes) as a router does (Decode -> reservation -> Prefill,
-   layer-wise push, first token streamed by the decode node). Peer: the same model and
+   decode node (both real processes) with the router's PdBackend over a static pool
+   (Decode -> reservation -> Prefill, layer-wise push, first token streamed by the decode
+   node). Peer: the same model and
    engine options on a single node (an LLMEngine in this process, prefill + first token).
    Reported: medians and the PD / single-node ratio (target <= 1.2x).
 Default model: SmolLM2-135M-Instruct (the prepared default), float32 on CPU.
@@ -196,19 +197,26 @@ async def ttft_pairs(prefill_addr: str, decode_addr: str, single: SingleNode,
                      prompts: list[list[int]]) -> tuple[list[float], list[float]]:
     """PD and single-node runs interleaved (same prompts, same moments), so load from
     other processes on the machine hits both alike. The first pair warms up."""
-    from cluster.pd_client import PdClient
     from engine.sampling_params import SamplingParams
+    from router.backend import NodeRequest
+    from router.static_pool import static_backend
 
-    client = PdClient(prefill_addr, decode_addr)
+    backend = static_backend([prefill_addr], [decode_addr], max_model_len=1 << 30,
+                             max_attempts=1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
     pd, one = [], []
-    for r, prompt in enumerate(prompts):
-        out = await client.generate(f"pd-{r}", prompt, SamplingParams(max_tokens=1,
-                                                                      temperature=0.0))
-        t_single = await asyncio.to_thread(single.ttft, prompt)
-        if r:
-            pd.append(out.ttft_s)
-            one.append(t_single)
-    await client.close()
+    try:
+        for r, prompt in enumerate(prompts):
+            t0, t_pd = time.perf_counter(), 0.0
+            async for step in backend.generate(NodeRequest(f"pd-{r}", prompt, params)):
+                if step.token_ids and not t_pd:        # max_tokens=1: also the last step
+                    t_pd = time.perf_counter() - t0
+            t_single = await asyncio.to_thread(single.ttft, prompt)
+            if r:
+                pd.append(t_pd)
+                one.append(t_single)
+    finally:
+        await backend.close()
     return pd, one
 
 

@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster.discovery import ClusterView, EtcdRegistry
-from cluster.pd_client import PdClient
 from engine import LLM, SamplingParams
+from router.model_info import ModelInfo
+from tests.integration.pd_static import generate_all
 from tests.tiny_models import make_tiny_model, random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -100,14 +101,12 @@ def test_pd_over_grpc_equals_single_node_llm(etcd, start_node, folder, kv_transp
         await reg.close()
         p_addr = next(r.address for r in nodes.values() if r.role == "prefill")
         d_addr = next(r.address for r in nodes.values() if r.role == "decode")
-        client = PdClient(p_addr, d_addr)
-        outs = await asyncio.gather(*[client.generate(f"it-{i}", p, params)
-                                      for i, p in enumerate(prompts)])
-        await client.close()
-        return outs
+        return await generate_all(p_addr, d_addr, prompts, params, prefix="it",
+                                  max_model_len=ModelInfo.from_folder(folder).max_model_len)
     outs = asyncio.run(body())
     for i, (out, want) in enumerate(zip(outs, ref, strict=True)):
         assert out.token_ids == want.outputs[0].token_ids, f"prompt {i}"
         assert out.finish_reason == want.outputs[0].finish_reason
+        assert len(out.logprobs) == len(out.token_ids)
         assert out.prefill is not None and out.prefill.pushed_bytes > 0
     assert decode.terminate() == 0 and prefill.terminate() == 0

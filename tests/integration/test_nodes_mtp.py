@@ -10,8 +10,9 @@ import asyncio
 import pytest
 
 from cluster.discovery import EtcdRegistry
-from cluster.pd_client import PdClient
 from engine import LLM, SamplingParams
+from router.model_info import ModelInfo
+from tests.integration.pd_static import generate_all
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp
 
@@ -51,11 +52,8 @@ def test_pd_with_mtp_and_graphs_on_the_decode_node_equals_plain_llm(etcd, start_
         p_addr = next(r.address for r in nodes.values() if r.role == "prefill")
         d_rec = next(r for r in nodes.values() if r.role == "decode")
         assert d_rec.fingerprint["mtp_enabled"] is True
-        client = PdClient(p_addr, d_rec.address)
-        outs = await asyncio.gather(*[client.generate(f"mtp-{i}", p, params)
-                                      for i, p in enumerate(prompts)])
-        await client.close()
-        return outs
+        return await generate_all(p_addr, d_rec.address, prompts, params, prefix="mtp",
+                                  max_model_len=ModelInfo.from_folder(folder).max_model_len)
     outs = asyncio.run(body())
     for i, (out, want) in enumerate(zip(outs, ref, strict=True)):
         assert out.token_ids == want.outputs[0].token_ids, f"prompt {i}"
