@@ -1,4 +1,5 @@
-# The two commands of the README: `make test` and `make up`.
+# The two commands of the README: `make test` (ruff, the layering contracts of
+# pyproject.toml's [tool.importlinter], pytest) and `make up`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,6 +19,7 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m engine.layers.cpu_extension
 	$(BIN)/python -m pytest tests
 
@@ -27,6 +29,7 @@ up: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info
