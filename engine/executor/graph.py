@@ -122,6 +122,8 @@ class GraphExecutor:
         model, kv_cache = self.model, self.kv_cache
 
         def run() -> None:
+            # the model prepares its attention plan from `meta` (the buffers) in here, so
+            # each replay (a CPU graph reruns this callable) rebuilds it from the tensors
             hidden.copy_(model(tokens, positions, kv_cache, meta))
 
         dev, stream = self.device, self.capture_stream

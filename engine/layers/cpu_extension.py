@@ -4,7 +4,9 @@ cached under ~/.cache/torch_extensions, with a torch fallback when they cannot b
 Each kernel module (engine/layers/cpu_paged_attention.py, engine/layers/cpu_fused_ops.py)
 declares one CpuExtension; `load()` builds or loads it once per process and returns the
 compiled module, or None with the reason kept in `failed` and logged once (no compiler,
-no ninja, a build error, or switched off by its environment variable).
+no ninja, a build error). Whether a model uses a kernel is not decided here: the model's
+layers take a KernelOptions value at construction (engine/layers/kernel_options.py, where
+the environment switches are read) and load only the kernels it turns on.
 
     python -m engine.layers.cpu_extension
 
@@ -27,12 +29,11 @@ log = logging.getLogger(__name__)
 
 class CpuExtension:
     def __init__(self, name: str, source: str, functions: list[str], cflags: list[str],
-                 switch_env: str, what: str, openmp: bool = True):
+                 what: str, openmp: bool = True):
         self.name = name                # versioned: bump it when the source changes
         self.source = source
         self.functions = functions
         self.cflags = cflags
-        self.switch_env = switch_env    # "<switch_env>=0" skips the build
         self.what = what                # for log lines
         # OpenMP here is the extension's own runtime, beside torch's (torch.set_num_threads
         # does not reach it): worth it for big calls, but a parallel region in a small
@@ -49,9 +50,6 @@ class CpuExtension:
         with self._lock:
             if self.module is not None or self.failed is not None:
                 return self.module
-            if os.environ.get(self.switch_env, "1") == "0":
-                self.failed = f"disabled by {self.switch_env}=0"
-                return None
             _find_ninja()
             try:
                 from torch.utils.cpp_extension import load_inline

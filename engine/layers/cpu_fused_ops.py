@@ -1,5 +1,6 @@
 """Fused CPU kernels for the decoder's small ops, in C++ (built by engine/layers/
-cpu_extension.py; PDSERVE_CPU_FUSED_OPS=0 switches them off).
+cpu_extension.py; used by the layers whose KernelOptions has cpu_fused_ops on, see
+engine/layers/kernel_options.py).
 
 Why: at decode, a layer's matmuls see a few dozen rows, and the ops between them (norms,
 residual adds, rotary, KV-cache writes, SiLU-and-mul) are ~30 torch ops a layer, each
@@ -217,8 +218,8 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
 
 EXTENSION = CpuExtension(
     "pdserve_cpu_fused_ops_v7", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
-    ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "PDSERVE_CPU_FUSED_OPS",
-    "CPU fused decoder ops", openmp=False)
+    ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "CPU fused decoder ops",
+    openmp=False)
 
 # dtypes each op may take in the model: the exact ones for float32 and bfloat16, the norm
 # (whose float32 result could differ from torch's in the last bit) for bfloat16 only
@@ -226,11 +227,16 @@ EXACT_DTYPES = (torch.float32, torch.bfloat16)
 NEAR_DTYPES = (torch.bfloat16,)
 
 
-def usable(x: torch.Tensor, dtypes: tuple) -> bool:
-    """True when the fused op may serve `x`: CPU, a dtype it is used for, no autograd
-    (training runs the torch ops) and the extension built."""
-    return (x.device.type == "cpu" and x.dtype in dtypes and not torch.is_grad_enabled()
-            and EXTENSION.load() is not None)
+def available() -> bool:
+    """True when the extension is built (or loads from the cache) here. A layer asks once,
+    at construction, when its KernelOptions turn the fused ops on."""
+    return EXTENSION.load() is not None
+
+
+def fits(x: torch.Tensor, dtypes: tuple) -> bool:
+    """True when a fused op may serve `x`: CPU, a dtype it is used for, and no autograd
+    (training runs the torch ops). The per-call check of a layer that has the ops."""
+    return x.device.type == "cpu" and x.dtype in dtypes and not torch.is_grad_enabled()
 
 
 def rope_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -10,8 +10,9 @@ that KV head scored against each key as it streams by, softmax in float32 over t
 own length (no padding, no mask), float32 accumulation, one rounding to the output dtype.
 
 Built through engine/layers/cpu_extension.py. Used by SdpaAttention for CPU decode rows
-(plain decode and k+1-row verify runs) when the kernel builds; otherwise the torch path
-runs and a warning says why (set PDSERVE_CPU_ATTENTION_KERNEL=0 to skip the build).
+(plain decode and k+1-row verify runs) when its KernelOptions turn it on and the kernel
+builds; otherwise the torch path runs and a warning says why (PDSERVE_CPU_ATTENTION_KERNEL=0,
+read by engine/layers/kernel_options.py, skips the build).
 Inputs: q [N, Hq, D] (N = B*rows), the head-major cache [Hkv, blocks, block_size, D],
 block tables [B, W] int32 and the KV length of each query row [N] int32 (row r belongs to
 sequence r // rows).
@@ -180,8 +181,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
 
 EXTENSION = CpuExtension(
     "pdserve_cpu_paged_attention_v8", _SOURCE, ["paged_decode_attention"],
-    ["-ffast-math", "-fno-finite-math-only"], "PDSERVE_CPU_ATTENTION_KERNEL",
-    "CPU paged attention kernel")
+    ["-ffast-math", "-fno-finite-math-only"], "CPU paged attention kernel")
 
 
 def kernel():

@@ -2,6 +2,10 @@
 
 Scaling types as HF's configs name them: default, linear, llama3, yarn. The tables are
 indexed by position, so the decode path has no data-dependent shapes.
+
+`rotate_qkv` rotates q and k where they sit in a fused qkv projection's output: on CPU
+through the fused C++ rope (engine/layers/cpu_fused_ops.py, in place, one call, the same
+rounding) when the layer's KernelOptions turn it on, else through the torch ops.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ import math
 
 import torch
 from torch import nn
+
+from engine.layers import cpu_fused_ops
+from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -58,7 +65,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None,
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict | None = None):
+                 scaling: dict | None = None, kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         inv, attn_scale = _inv_freq(head_dim, theta, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv[None, :]
@@ -70,8 +77,11 @@ class RotaryEmbedding(nn.Module):
         half = head_dim // 2
         self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), -1),
                              persistent=False)
-        self.half = half
+        self.head_dim, self.half = head_dim, half
         self._cached: tuple | None = None
+        # the fused rope: decided once here (the option on and the extension built); a
+        # call then checks only its input's device and dtype
+        self.fused = kernels.cpu_fused_ops and cpu_fused_ops.available()
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin rows for `positions`, [T, 1, D] in `dtype`. Every layer of one forward
@@ -100,3 +110,19 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated (same dtype)."""
         cos, sin = self.lookup(positions, q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+    def rotate_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int,
+                   num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated, from a fused qkv output [T, (Hq +
+        2 Hkv) * D] where they sit side by side (v is left alone). The fused rope writes
+        them in place in qkv and returns views of it; the torch path rotates them as one
+        tensor into a new one. Bit-identical results (tests/unit/test_cpu_fused_ops.py)."""
+        t, d = qkv.shape[0], self.head_dim
+        heads = num_heads + num_kv_heads
+        qk = qkv[:, :heads * d].view(t, heads, d)
+        if self.fused and cpu_fused_ops.fits(qkv, cpu_fused_ops.EXACT_DTYPES):
+            cpu_fused_ops.rope_(qkv, positions, self.cos, self.sin_signed, heads, d)
+        else:
+            cos, sin = self.lookup(positions, qk.dtype)
+            qk = self.rotate(qk, cos, sin)
+        return qk.split([num_heads, num_kv_heads], dim=1)

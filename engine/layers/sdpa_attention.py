@@ -8,9 +8,18 @@ current token and k drafts, Q = k+1, the same for every sequence): row j of a se
 sees a KV length of seq_len - (Q-1-j), the mask built from the seq_lens tensor. Prefill
 rows run one sequence at a time with a causal mask offset by the tokens already cached
 (prefix hits, earlier chunks).
+
+`prepare(meta, k_cache)` runs once per forward, before the layers (the model's forward
+calls it; a graph forward calls it inside the captured callable, so every replay
+rebuilds it from the buffers' tensors): it decides how the decode rows are served and
+builds what every layer shares (the C++ kernel's per-row KV lengths, or the torch path's
+width groups and masks, engine/layers/decode_plan.py). The kernel choices themselves are
+made at construction from a KernelOptions value (engine/layers/kernel_options.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,61 +28,85 @@ from engine.forward_input import AttentionMetadata
 from engine.kv_cache import write_slots
 from engine.layers import cpu_fused_ops, cpu_paged_attention
 from engine.layers.decode_plan import DecodeGroup, build_plan, verify_kv_lens
+from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 
-__all__ = ["SdpaAttention", "verify_kv_lens"]
+__all__ = ["AttentionPlan", "SdpaAttention", "verify_kv_lens"]
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # what the C++ kernel is built for
 
 
+@dataclass
+class AttentionPlan:
+    """One forward's attention plan, shared by all its layers."""
+    meta: AttentionMetadata
+    rows: int                   # query rows per decode sequence (1, or k+1 in a verify)
+    num_dec: int                # decode sequences, padding included
+    # the C++ kernel serves the decode rows: the KV length of each query row
+    kv_lens: torch.Tensor | None = None
+    # else the torch path's width groups
+    groups: list[DecodeGroup] | None = None
+
+
 class SdpaAttention:
-    # decode on CPU through the C++ paged kernel when it builds (engine/layers/
-    # cpu_paged_attention.py), else through the grouped matmuls (off: the SDPA kernel)
-    cpu_kernel = True
-    cpu_grouped_decode = True
-
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, kernels: KernelOptions = DEFAULT_KERNELS):
         self.scale = scale
-        self._plan: tuple | None = None     # (meta, rows, plan) of the current forward
+        # decided once here: decode on CPU through the C++ paged kernel when the option
+        # is on and it builds (engine/layers/cpu_paged_attention.py), else the torch path:
+        # grouped matmuls on CPU (or, that option off, the SDPA kernel as elsewhere)
+        self.use_cpu_kernel = (kernels.cpu_attention_kernel
+                               and cpu_paged_attention.kernel() is not None)
+        self.grouped_decode = kernels.cpu_grouped_decode
+        self.fused_write = kernels.cpu_fused_ops and cpu_fused_ops.available()
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if cpu_fused_ops.usable(k, cpu_fused_ops.EXACT_DTYPES):
+    def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
+        """The plan of one forward over `meta`, for layers whose caches are like
+        `k_cache` [Hkv, blocks, block_size, D]. Host-planned width groups (eager
+        forwards) hold this forward's masks; graph metadata gets one group from tensors."""
+        num_dec = meta.num_decodes + meta.num_padding
+        rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
+        plan = AttentionPlan(meta, rows, num_dec)
+        if not num_dec:
+            return plan
+        if (self.use_cpu_kernel and k_cache.device.type == "cpu"
+                and k_cache.dtype in KERNEL_DTYPES):
+            lens = meta.seq_lens[:num_dec]
+            plan.kv_lens = lens if rows == 1 else verify_kv_lens(lens, rows).reshape(-1)
+        else:
+            plan.groups = build_plan(meta, num_dec, rows, k_cache.shape[2])
+        return plan
+
+    def __call__(self, q, k, v, k_cache, v_cache,
+                 plan: AttentionPlan | AttentionMetadata) -> torch.Tensor:
+        """`plan` from `prepare`; bare metadata (a single layer, a test) is prepared here."""
+        if isinstance(plan, AttentionMetadata):
+            plan = self.prepare(plan, k_cache)
+        meta = plan.meta
+        if self.fused_write and cpu_fused_ops.fits(k, cpu_fused_ops.EXACT_DTYPES):
             cpu_fused_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             write_slots(k_cache, meta.slot_mapping, k)
             write_slots(v_cache, meta.slot_mapping, v)
-        num_dec = meta.num_decodes + meta.num_padding
         if not meta.num_prefills:
-            return self._decode_rows(q, k_cache, v_cache, meta, num_dec)
+            return self._decode_rows(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)
-        if num_dec:
-            dec = self._decode_rows(q, k_cache, v_cache, meta, num_dec)
+        if plan.num_dec:
+            dec = self._decode_rows(q, k_cache, v_cache, plan)
             out[:dec.shape[0]] = dec
         self._prefill(q, k, v, k_cache, v_cache, meta, out)
         return out
 
-    def _decode_rows(self, q, k_cache, v_cache, meta: AttentionMetadata, num_dec: int
-                     ) -> torch.Tensor:
-        # query rows per decode sequence (1, or k+1 in a speculative verify)
-        rows = meta.num_decode_tokens // meta.num_decodes if meta.num_decodes else 1
-        n = num_dec * rows
-        if (q.device.type == "cpu" and self.cpu_kernel and q.dtype in KERNEL_DTYPES
-                and cpu_paged_attention.kernel()):
-            lens = meta.seq_lens[:num_dec]
-            kv_lens = lens if rows == 1 else verify_kv_lens(lens, rows).reshape(-1)
+    def _decode_rows(self, q, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
+        rows = plan.rows
+        n = plan.num_dec * rows
+        if plan.kv_lens is not None:
             return cpu_paged_attention.paged_decode_attention(
-                q[:n], k_cache, v_cache, meta.block_tables[:num_dec], kv_lens, rows,
-                self.scale)
-        c = self._plan
-        if c is not None and c[0] is meta and c[1] == rows:
-            plan = c[2]
-        else:
-            plan = build_plan(meta, num_dec, rows, k_cache.shape[2])
-            # host-planned groups hold per-forward masks: keep them for the other layers
-            self._plan = (meta, rows, plan) if meta.seq_lens_host else None
-        if len(plan) == 1 and plan[0].q_rows is None:
-            return self._decode(q[:n], k_cache, v_cache, plan[0], rows)
+                q[:n], k_cache, v_cache, plan.meta.block_tables[:plan.num_dec],
+                plan.kv_lens, rows, self.scale)
+        groups = plan.groups
+        if len(groups) == 1 and groups[0].q_rows is None:
+            return self._decode(q[:n], k_cache, v_cache, groups[0], rows)
         out = torch.empty_like(q[:n])
-        for g in plan:
+        for g in groups:
             out.index_copy_(0, g.q_rows, self._decode(q.index_select(0, g.q_rows), k_cache,
                                                       v_cache, g, rows))
         return out
@@ -84,7 +117,7 @@ class SdpaAttention:
         hk, _, bs, d = k_cache.shape
         keys = k_cache.index_select(1, g.block_ids).view(hk, b, w * bs, d)   # [Hkv, B, L, D]
         vals = v_cache.index_select(1, g.block_ids).view(hk, b, w * bs, d)
-        if q.device.type == "cpu" and self.cpu_grouped_decode:
+        if q.device.type == "cpu" and self.grouped_decode:
             return self._decode_grouped(q, keys, vals, g.masked, rows)
         keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)           # [B, Hkv, L, D]
         if rows == 1:

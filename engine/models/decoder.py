@@ -1,10 +1,12 @@
 """The decoder-only transformer shared by Llama, Qwen2 and Qwen3 (a pure model).
 
 The architectures differ only in flags read from ModelConfig at construction: q/k/v
-bias (Qwen2), q/k RMSNorm over head_dim (Qwen3), tied embeddings. The forward takes
-everything it needs as arguments (no globals): token ids, positions, the KV cache and
-the attention metadata; it returns final-norm hidden states, and `logits` computes the
-LM head on the selected rows only.
+bias (Qwen2), q/k RMSNorm over head_dim (Qwen3), tied embeddings. The CPU kernels the
+layers use are a KernelOptions value passed at construction too (engine/layers/
+kernel_options.py). The forward takes everything it needs as arguments (no globals):
+token ids, positions, the KV cache and the attention metadata, which the attention
+backend prepares once into the plan every layer shares; it returns final-norm hidden
+states, and `logits` computes the LM head on the selected rows only.
 
 q/k/v and gate/up are fused into one matmul each at load time (engine/models/loader.py).
 """
@@ -17,8 +19,8 @@ from torch import nn
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
-from engine.layers import cpu_fused_ops
 from engine.layers.attention import get_attention_backend
+from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -26,7 +28,8 @@ from engine.models.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -36,13 +39,14 @@ class Attention(nn.Module):
                                   bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x, positions, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, k_cache, v_cache, plan):
+        """`plan`: the backend's prepared plan of this forward (or bare metadata)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -51,21 +55,9 @@ class Attention(nn.Module):
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
             q, k = self.rotary(positions, q, k)
-        elif cpu_fused_ops.usable(qkv, cpu_fused_ops.EXACT_DTYPES):
-            # the same rounding as the torch path below, in place, one call
-            cpu_fused_ops.rope_(qkv, positions, self.rotary.cos, self.rotary.sin_signed,
-                                self.num_heads + self.num_kv_heads, self.head_dim)
-            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(
-                t, self.num_kv_heads, self.head_dim)
         else:
-            # q and k sit side by side in the fused output: rotate them as one tensor
-            qk = qkv[:, :self.q_size + self.kv_size].view(
-                t, self.num_heads + self.num_kv_heads, self.head_dim)
-            cos, sin = self.rotary.lookup(positions, qk.dtype)
-            q, k = self.rotary.rotate(qk, cos, sin).split(
-                [self.num_heads, self.num_kv_heads], dim=1)
-        o = self.backend(q, k, v, k_cache, v_cache, meta)
+            q, k = self.rotary.rotate_qkv(qkv, positions, self.num_heads, self.num_kv_heads)
+        o = self.backend(q, k, v, k_cache, v_cache, plan)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -84,34 +76,39 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, kernels)
+        self.self_attn = Attention(cfg, rotary, backend, kernels)
+        self.post_attention_layernorm = RMSNorm(h, eps, kernels)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, positions, k_cache, v_cache, meta):
+    def forward(self, x, residual, positions, k_cache, v_cache, plan):
         """Returns (MLP output, residual stream before it); the caller adds them, in the
         next layer's input norm or the final one, so each residual add fuses with the
         norm that follows it. residual None: x is the embedding (layer 0)."""
         h, residual = self.input_layernorm.add(x, residual)
-        a = self.self_attn(h, positions, k_cache, v_cache, meta)
+        a = self.self_attn(h, positions, k_cache, v_cache, plan)
         h, residual = self.post_attention_layernorm.add(a, residual)
         return self.mlp(h), residual
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa"):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa",
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         self.config = cfg
-        backend = get_attention_backend(attention_backend, cfg.head_dim ** -0.5)
+        self.kernels = kernels      # kept for modules built on this one (the MTP draft)
+        backend = get_attention_backend(attention_backend, cfg.head_dim ** -0.5, kernels)
+        self.attention = backend    # one backend object shared by the layers
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling)
+                                 cfg.rope_scaling, kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, kernels)
                                     for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -120,9 +117,12 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
+        # once per forward, before the layers; inside a graph's captured callable this
+        # reruns at every replay, so the plan always comes from the bound buffers
+        plan = self.attention.prepare(meta, kv_cache.k[0])
         x, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], meta)
+            x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], plan)
         return self.norm.add(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor, selected_token_idxes: torch.Tensor) -> torch.Tensor:

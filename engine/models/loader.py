@@ -2,6 +2,10 @@
 
 HF keeps q/k/v and gate/up as separate tensors; we fuse them here so the forward runs
 one matmul for each group. Missing tensors are reported by their HF names.
+
+The CPU kernels the model uses are chosen here, once: the caller's KernelOptions, or the
+user's environment switches (`KernelOptions.from_env()`, read at this call, i.e. at
+engine construction), narrowed to the device; the model gets the value at construction.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.layers.kernel_options import KernelOptions
 from engine.models.model_config import ModelConfig
 from engine.models.registry import model_class
 
@@ -52,8 +57,9 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "sdpa"):
+               attention_backend: str = "sdpa", kernels: KernelOptions | None = None):
     folder = Path(folder)
+    kernels = (KernelOptions.from_env() if kernels is None else kernels).for_device(device)
     cfg = ModelConfig.from_folder(folder)
     cls = model_class(cfg)
     handles = {}
@@ -65,7 +71,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
                 continue    # e.g. MTP layers stored after the decoder layers
             handles[key] = f
     with torch.device(device):
-        model = cls(cfg, attention_backend=attention_backend)
+        # the layers settle their kernels here (building or loading the CPU extensions
+        # the options turn on, so the first request does not pay for it)
+        model = cls(cfg, attention_backend=attention_backend, kernels=kernels)
     model.to(dtype=dtype)
     model.rotary.float()        # cos/sin tables stay float32, cast at use (as HF)
     missing = []

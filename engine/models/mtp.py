@@ -10,7 +10,7 @@ state h_t and the token x_{t+1}:
 
 The embedding and the LM head are the target's (shared, never copied); the decoder layer is
 the one in engine/models/decoder.py, so the draft uses the same attention backend and the
-same paged cache layout (a one-layer cache of its own).
+same paged cache layout (a one-layer cache of its own), and the target's KernelOptions.
 
 Weights are found in the target's folder when config.json has num_nextn_predict_layers >= 1,
 under DeepSeek-V3 keys `model.layers.{num_hidden_layers}.{enorm,hnorm,eh_proj,
@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layers.attention import get_attention_backend
+from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.models.decoder import DecoderLayer
@@ -52,19 +53,21 @@ DRAFT_VOCAB_KEY = "draft_vocab"     # optional int64 token ids, next to the MTP 
 
 class MTPModule(nn.Module):
     def __init__(self, cfg: ModelConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
-                 attention_backend: str | object = "sdpa", hidden_first: bool = False):
+                 attention_backend: str | object = "sdpa", hidden_first: bool = False,
+                 kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         from engine.layers.rotary import RotaryEmbedding
-        h = cfg.hidden_size
-        backend = (get_attention_backend(attention_backend, cfg.head_dim ** -0.5)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        # a backend object (tools/train_mtp.py's dense training attention) is used as is
+        backend = (get_attention_backend(attention_backend, cfg.head_dim ** -0.5, kernels)
                    if isinstance(attention_backend, str) else attention_backend)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                      cfg.rope_theta, cfg.rope_scaling)
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+                                      cfg.rope_theta, cfg.rope_scaling, kernels)
+        self.enorm = RMSNorm(h, eps, kernels)
+        self.hnorm = RMSNorm(h, eps, kernels)
         self.eh_proj = Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(cfg, self.rotary, backend)
-        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layer = DecoderLayer(cfg, self.rotary, backend, kernels)
+        self.shared_head_norm = RMSNorm(h, eps, kernels)
         self.hidden_first = hidden_first          # MiMo concatenates (h, e)
         # Optional draft vocabulary (token ids the head may propose): logits over it only,
         # a fraction of the full LM head's cost. Lossless: the draft's distribution q is
@@ -81,6 +84,7 @@ class MTPModule(nn.Module):
         e = self.enorm(self._shared[0](token_ids))
         h = self.hnorm(prev_hidden.to(e.dtype))
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
+        # one layer: the backend prepares `meta` in its call (no plan to share)
         out, residual = self.layer(x, None, positions, k_cache, v_cache, meta)
         return residual + out
 
@@ -154,7 +158,8 @@ def _find_prefix(keys: set[str], num_hidden_layers: int | None) -> tuple[str, in
 def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dtype,
              device: torch.device, attention_backend: str = "sdpa",
              draft_folder: str | Path | None = None) -> MTPModule:
-    """The MTP module for `target_model`, from `draft_folder` or else the target's folder."""
+    """The MTP module for `target_model`, from `draft_folder` or else the target's folder;
+    it uses the target's kernel options (chosen when the target was loaded)."""
     cfg: ModelConfig = target_model.config
     if draft_folder is None:
         folder = Path(target_folder)
@@ -177,7 +182,8 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
     prefix, layout = _find_prefix(set(handles), layer_index)
     with torch.device(device):
         mtp = MTPModule(cfg, target_model.embed_tokens, target_model.lm_head,
-                        attention_backend, hidden_first=layout == 1)
+                        attention_backend, hidden_first=layout == 1,
+                        kernels=target_model.kernels)
     mtp.to(dtype=dtype)
     mtp.rotary.float()
     missing = []

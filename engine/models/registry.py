@@ -1,4 +1,8 @@
-"""Architecture name (config.json `architectures[0]`) -> model class, imported lazily."""
+"""Architecture name (config.json `architectures[0]`) -> model class, imported lazily.
+
+A class is built as `cls(cfg, attention_backend=name, kernels=KernelOptions)`
+(engine/models/loader.py): the kernel choice comes in as a value, never from globals.
+"""
 
 from __future__ import annotations
 

@@ -95,13 +95,14 @@ def test_add_rms_norm_bf16_within_two_ulps_of_torch(hidden, rows, with_residual)
     assert float((ulps == 0).float().mean()) > 0.999
 
 
-def test_usable_only_for_cpu_inference_in_its_dtypes():
+def test_fits_only_cpu_inference_in_its_dtypes():
     x = torch.zeros(2, 4, dtype=torch.bfloat16)
     with torch.inference_mode():
-        assert cpu_fused_ops.usable(x, cpu_fused_ops.NEAR_DTYPES)
-        assert not cpu_fused_ops.usable(x.float(), cpu_fused_ops.NEAR_DTYPES)
-        assert cpu_fused_ops.usable(x.float(), cpu_fused_ops.EXACT_DTYPES)
-    assert not cpu_fused_ops.usable(x, cpu_fused_ops.EXACT_DTYPES)   # autograd on: torch
+        assert cpu_fused_ops.fits(x, cpu_fused_ops.NEAR_DTYPES)
+        assert not cpu_fused_ops.fits(x.float(), cpu_fused_ops.NEAR_DTYPES)
+        assert cpu_fused_ops.fits(x.float(), cpu_fused_ops.EXACT_DTYPES)
+        assert not cpu_fused_ops.fits(x.to("meta"), cpu_fused_ops.EXACT_DTYPES)
+    assert not cpu_fused_ops.fits(x, cpu_fused_ops.EXACT_DTYPES)   # autograd on: torch
 
 
 def test_add_rms_norm_refuses_float32():

@@ -8,6 +8,7 @@ import torch
 from engine.forward_input import AttentionMetadata
 from engine.layers import decode_plan
 from engine.layers.decode_plan import build_plan, split_by_width
+from engine.layers.kernel_options import KernelOptions
 from engine.layers.sdpa_attention import SdpaAttention
 
 
@@ -50,19 +51,20 @@ def _case(seq_lens, rows, bs=4, hk=2, g=2, d=8, seed=0):
 
 def test_groups_equal_one_padded_group(monkeypatch):
     lens = [3, 61, 5, 40, 2, 58, 17, 9]
+    # the torch path's groups (the C++ kernel reads each row's own length: no groups)
+    attn = SdpaAttention(8 ** -0.5, KernelOptions(cpu_attention_kernel=False))
     for rows in (1, 3):
         q, kc, vc, meta = _case(lens, rows, seed=rows)
-        monkeypatch.setattr(SdpaAttention, "cpu_kernel", False)   # the torch path's groups
-        attn = SdpaAttention(8 ** -0.5)
         monkeypatch.setattr(decode_plan, "GROUP_COST_BLOCKS", 10 ** 9)
-        one = attn._decode_rows(q, kc, vc, meta, len(lens))
-        assert len(attn._plan[2]) == 1
+        plan = attn.prepare(meta, kc)
+        one = attn._decode_rows(q, kc, vc, plan)
+        assert len(plan.groups) == 1 and plan.kv_lens is None
         monkeypatch.setattr(decode_plan, "GROUP_COST_BLOCKS", 0)
-        attn = SdpaAttention(8 ** -0.5)
-        many = attn._decode_rows(q, kc, vc, meta, len(lens))
-        plan = attn._plan[2]
-        assert len(plan) == decode_plan.MAX_GROUPS
-        assert sorted(sum((g.q_rows.tolist() for g in plan), [])) == list(range(len(q)))
+        plan = attn.prepare(meta, kc)
+        many = attn._decode_rows(q, kc, vc, plan)
+        groups = plan.groups
+        assert len(groups) == decode_plan.MAX_GROUPS
+        assert sorted(sum((g.q_rows.tolist() for g in groups), [])) == list(range(len(q)))
         torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-6)
         # and the test can fail: a group's rows written in the wrong order differ
         swapped = many.clone()

@@ -215,3 +215,38 @@ def test_verify_rows_wider_than_the_buffers_go_eager(folder):
     assert ex.plan(dev) == GraphKey(4, 1)
     wide = replace(dev, attn=replace(dev.attn, num_decode_tokens=3 * 3))
     assert ex.plan(wide) == "verify_too_wide"
+
+
+def test_attention_plan_prepared_once_per_forward_and_replay(folder, monkeypatch):
+    """The model prepares the attention plan once per forward, before its layers (two
+    here); a graph forward prepares it inside the captured callable, so every replay
+    rebuilds it from the bound buffers. The torch decode path (switched on at engine
+    construction) puts the masks in the plan: each must match the live lengths."""
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
+    engine = _engine(folder)
+    ex: GraphExecutor = engine.worker.executor
+    backend = engine.model.attention
+    plans, real = [], backend.prepare
+    monkeypatch.setattr(backend, "prepare", lambda *a: plans.append(real(*a)) or plans[-1])
+    _add(engine, 5, max_tokens=5, seed=3)
+    graph_steps = 0
+    while engine.has_unfinished():
+        sched, fi, dev = _prepared_step(engine)
+        before = len(plans)
+        if not fi.attn.is_decode_only:
+            out = engine.worker.step_internal(dev)
+            assert len(plans) == before + 1
+            _finish_step(engine, sched, fi, out.next_tokens.tolist())
+            continue
+        eager = ex.eager.forward(dev).clone()
+        graph = ex.forward(dev).clone()
+        assert len(plans) == before + 2         # one each: eager, capture or replay
+        masked = plans[-1].groups[0].masked
+        for i, n in enumerate(fi.attn.seq_lens_host[:fi.attn.num_decodes]):
+            assert masked[i].tolist() == [p >= n for p in range(masked.shape[1])]
+        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+        tokens = _greedy(engine, graph, fi)
+        assert tokens == _greedy(engine, eager, fi)
+        _finish_step(engine, sched, fi, tokens)
+        graph_steps += 1
+    assert graph_steps >= 3 and ex.graph_stats.replays >= 2

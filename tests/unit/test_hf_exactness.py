@@ -106,9 +106,9 @@ def test_requests_join_and_leave_mid_run(tiny):
 def test_decode_width_groups(tiny, monkeypatch):
     """Decode rows cut into width groups (every cut allowed) attend exactly as one group."""
     from engine.layers import decode_plan
-    from engine.layers.sdpa_attention import SdpaAttention
 
-    monkeypatch.setattr(SdpaAttention, "cpu_kernel", False)   # groups are the torch path's
+    # groups are the torch path's: the user's switch, read when the engine is built
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
     monkeypatch.setattr(decode_plan, "GROUP_COST_BLOCKS", 0)
     seen = []
     build = decode_plan.build_plan
@@ -119,4 +119,5 @@ def test_decode_width_groups(tiny, monkeypatch):
     prompts = random_prompts(10, LENGTHS, hf.config.vocab_size, seed=7)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     _check(outs, prompts, hf)
-    assert max(len(plan) for plan in seen) == decode_plan.MAX_GROUPS
+    assert not llm.engine.model.kernels.cpu_attention_kernel
+    assert seen and max(len(plan) for plan in seen) == decode_plan.MAX_GROUPS

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.executor.graph import GraphExecutor, _tokens_per_seq
 from engine.forward_input import AttentionMetadata
+from engine.layers.kernel_options import KernelOptions
 from engine.layers.sdpa_attention import SdpaAttention
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp
@@ -188,13 +189,13 @@ def _reference(q, k_cache, v_cache, meta, rows, scale):
 
 
 # the CPU paths: C++ paged kernel, grouped matmuls, the SDPA kernel (as on CUDA/NPU)
-MODES = {"kernel": (True, True), "grouped": (False, True), "sdpa": (False, False)}
+MODES = {"kernel": KernelOptions(),
+         "grouped": KernelOptions(cpu_attention_kernel=False),
+         "sdpa": KernelOptions(cpu_attention_kernel=False, cpu_grouped_decode=False)}
 
 
 def _attention(scale: float, mode: str) -> SdpaAttention:
-    attn = SdpaAttention(scale)
-    attn.cpu_kernel, attn.cpu_grouped_decode = MODES[mode]
-    return attn
+    return SdpaAttention(scale, MODES[mode])
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -282,24 +283,30 @@ def test_cpu_kernel_is_built_and_used(monkeypatch):
 
 
 def test_cpu_kernel_off_falls_back_to_torch(monkeypatch):
-    """PDSERVE_CPU_ATTENTION_KERNEL=0 (or a failed build): the torch path answers, same
-    result, and the reason is kept for the warning."""
+    """PDSERVE_CPU_ATTENTION_KERNEL=0 (read into the options) or a failed build: the
+    torch path answers, same result, and a failed build keeps its reason for the warning."""
     from engine.layers import cpu_paged_attention
     from engine.layers.cpu_extension import CpuExtension
 
+    real = cpu_paged_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention",
+                        lambda *a: pytest.fail("the C++ kernel ran"))
+    switched_off = KernelOptions.from_env({"PDSERVE_CPU_ATTENTION_KERNEL": "0"})
+    assert not switched_off.cpu_attention_kernel
     ext = cpu_paged_attention.EXTENSION
-    off = CpuExtension(ext.name, ext.source, ext.functions, ext.cflags, ext.switch_env,
-                       ext.what)
-    monkeypatch.setattr(cpu_paged_attention, "EXTENSION", off)
-    monkeypatch.setenv("PDSERVE_CPU_ATTENTION_KERNEL", "0")
+    broken = CpuExtension(ext.name, ext.source, ext.functions, ext.cflags, ext.what)
+    broken.failed = "RuntimeError: no compiler (simulated)"
+    for options, extension in ((switched_off, ext), (KernelOptions(), broken)):
+        monkeypatch.setattr(cpu_paged_attention, "EXTENSION", extension)
+        attn = SdpaAttention(8 ** -0.5, options)
+        assert not attn.use_cpu_kernel
+        q, k, v, kc, vc, meta = _paged_case(4, [6, 11, 3], 2)
+        out = attn(q, k, v, kc, vc, meta)
+        torch.testing.assert_close(out, _reference(q, kc, vc, meta, 2, 8 ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
     assert cpu_paged_attention.kernel() is None
-    assert "PDSERVE_CPU_ATTENTION_KERNEL=0" in off.failed
-    with pytest.raises(RuntimeError, match="unavailable"):
-        cpu_paged_attention.paged_decode_attention(*[None] * 5, 1, 1.0)
-    q, k, v, kc, vc, meta = _paged_case(4, [6, 11, 3], 2)
-    out = _attention(8 ** -0.5, "kernel")(q, k, v, kc, vc, meta)
-    torch.testing.assert_close(out, _reference(q, kc, vc, meta, 2, 8 ** -0.5),
-                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="unavailable.*no compiler"):
+        real(*[None] * 5, 1, 1.0)
 
 
 def test_float16_decode_takes_the_torch_path():
@@ -310,3 +317,22 @@ def test_float16_decode_takes_the_torch_path():
     assert out.dtype == torch.float16
     ref = _reference(h[0].float(), h[3].float(), h[4].float(), meta, 1, 8 ** -0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_kv_write_follows_the_options(monkeypatch):
+    """The backend writes K/V through the fused kernel when its options say so, and the
+    caches come out the same either way."""
+    from engine.layers import cpu_fused_ops
+
+    calls, real = [], cpu_fused_ops.write_kv
+    monkeypatch.setattr(cpu_fused_ops, "write_kv", lambda *a: calls.append(1) or real(*a))
+    got = []
+    for fused in (True, False):
+        q, k, v, kc, vc, meta = _paged_case(7, [5, 9], 1)
+        with torch.inference_mode():
+            out = SdpaAttention(8 ** -0.5, KernelOptions(cpu_fused_ops=fused))(
+                q, k, v, kc, vc, meta)
+        got.append((out, kc, vc))
+    assert calls == [1]
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,59 @@
+"""Which CPU kernels the model's layers use: one frozen value, chosen when the model is built.
+
+The loader (engine/models/loader.py `load_model`) reads the user's switches once, with
+`KernelOptions.from_env()`, narrows them to the model's device (`for_device`) and hands
+the value to the model, which passes it to every layer at construction: the rotary
+(fused rope in place in the qkv output), the norm (fused residual add + RMSNorm) and the
+attention backend (the C++ paged decode kernel, the fused K/V write, the grouped decode
+matmuls). Each layer settles its choice then (the option on and the kernel built); a
+call checks only its input's device and dtype. Nothing in the forward path reads the
+environment or a global switch, so two models in one process (a test's reference and
+the engine's) can run different kernels.
+
+Environment switches (read only by `from_env`):
+    PDSERVE_CPU_ATTENTION_KERNEL=0   decode attention without the C++ paged kernel
+    PDSERVE_CPU_FUSED_OPS=0          rotary, K/V writes and add+RMSNorm as torch ops
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+ATTENTION_KERNEL_ENV = "PDSERVE_CPU_ATTENTION_KERNEL"
+FUSED_OPS_ENV = "PDSERVE_CPU_FUSED_OPS"
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    # decode rows on CPU through the C++ paged kernel (engine/layers/cpu_paged_attention.py)
+    cpu_attention_kernel: bool = True
+    # rotary, K/V writes and add+RMSNorm through engine/layers/cpu_fused_ops.py on CPU
+    cpu_fused_ops: bool = True
+    # torch decode path on CPU: two grouped matmuls (off: the SDPA kernel, as on GPUs)
+    cpu_grouped_decode: bool = True
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
+        """The defaults, less what the user switched off with `<VARIABLE>=0`."""
+        env = os.environ if environ is None else environ
+        return cls(cpu_attention_kernel=env.get(ATTENTION_KERNEL_ENV, "1") != "0",
+                   cpu_fused_ops=env.get(FUSED_OPS_ENV, "1") != "0")
+
+    @classmethod
+    def torch_only(cls) -> KernelOptions:
+        """No C++ kernel, SDPA decode: the path every non-CPU device takes."""
+        return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False)
+
+    def for_device(self, device: torch.device | str) -> KernelOptions:
+        """These options for a model on `device`: the C++ kernels are CPU-only, so
+        elsewhere they are off (and never built)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False)
+
+
+DEFAULT_KERNELS = KernelOptions()
