@@ -1,9 +1,10 @@
-"""The engine loop of a node: a dedicated thread that steps the engine while it has work.
+"""The engine loop of a node: a dedicated thread that owns the engine.
 
-The asyncio gRPC servers never run the model themselves: they add/abort requests under
-`lock` (the same lock the loop holds around each step) and `wake()` the loop. After each
-step `on_step(grew)` runs on the loop thread (still under the lock), where the node turns
-new tokens into stream events.
+Other threads never touch the engine's state: they submit commands
+(`engine.submit(...)`, engine/commands.py), which wake this thread; it applies them
+between steps and runs a step while there is work (`engine.run_once`). Every output
+leaves through one outbox, `outbox(outputs)`, called on this thread (it must only hand
+them on, e.g. to an event loop).
 """
 
 from __future__ import annotations
@@ -14,26 +15,23 @@ from collections.abc import Callable
 
 log = logging.getLogger("cluster.engine_loop")
 
+IDLE_WAIT_S = 0.5     # a command or stop wakes the loop at once; this is only a backstop
+
 
 class EngineLoop:
-    def __init__(self, engine, lock: threading.RLock | None = None,
-                 on_step: Callable[[list], None] | None = None,
-                 after_step: Callable[[], None] | None = None, name: str = "engine"):
+    def __init__(self, engine, outbox: Callable[[list], None] | None = None,
+                 name: str = "engine"):
         self.engine = engine
-        self.lock = lock or threading.RLock()
-        self.on_step = on_step
-        self.after_step = after_step
+        self.outbox = outbox
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self.error: BaseException | None = None
 
     def start(self) -> EngineLoop:
+        self.engine.inbox.attach(self._wake)      # commands queue for this thread now
         self._thread.start()
         return self
-
-    def wake(self) -> None:
-        self._wake.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -45,25 +43,16 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        eng = self.engine
         while not self._stop.is_set():
-            with self.lock:
-                busy = self.engine.has_unfinished()
-                if busy:
-                    try:
-                        grew = self.engine.step()
-                    except Exception as exc:  # noqa: BLE001 - report, keep the node up
-                        log.exception("engine step failed; aborting the batch")
-                        self.error = exc
-                        self._abort_all(exc)
-                        grew = []
-                    if self.on_step is not None:
-                        self.on_step(grew)
-                if self.after_step is not None:
-                    self.after_step()
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-
-    def _abort_all(self, exc: BaseException) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+            self._wake.clear()       # a command put after this sets it again: no lost wake
+            try:
+                outputs = eng.run_once()
+            except Exception as exc:  # noqa: BLE001 - report, keep the node up
+                log.exception("engine step failed; aborting the batch")
+                self.error = exc
+                outputs = eng.abort_all()
+            if outputs and self.outbox is not None:
+                self.outbox(outputs)
+            if not eng.has_work():
+                self._wake.wait(IDLE_WAIT_S)

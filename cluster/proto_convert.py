@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.commands import EngineOutput
 from engine.pd_fingerprint import Fingerprint
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, node_pb2
@@ -17,14 +18,20 @@ FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED,
 FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """ValueError (naming the field) on bad values; unset fields take engine defaults."""
+def sampling_fields_from_proto(msg: common_pb2.SamplingParams) -> dict:
+    """The fields the client set, as SamplingParams keyword arguments (a front applies
+    its own defaults to the rest)."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
     if msg.stop:
         kwargs["stop"] = list(msg.stop)
     if msg.stop_token_ids:
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
-    return SamplingParams(**kwargs)
+    return kwargs
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """ValueError (naming the field) on bad values; unset fields take engine defaults."""
+    return SamplingParams(**sampling_fields_from_proto(msg))
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -35,6 +42,14 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def finish_from_proto(value: int) -> str | None:
+    return FINISH_NAMES.get(value)
+
+
+def finish_to_proto(reason: str | None) -> int:
+    return FINISH_REASONS.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED) if reason else 0
 
 
 def fingerprint_to_proto(fp: Fingerprint) -> node_pb2.Fingerprint:
@@ -66,3 +81,32 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> dict[int, float]:
     for t in msg.top:
         entry.setdefault(t.token_id, t.logprob)
     return entry
+
+
+def token_event(out: EngineOutput) -> node_pb2.TokenEvent:
+    """What a request gained (an engine output) as the decode node streams it."""
+    event = node_pb2.TokenEvent(token_ids=out.token_ids, text_delta=out.text)
+    for tok, entry in zip(out.token_ids, out.logprobs, strict=False):
+        event.logprobs.append(logprob_to_proto(tok, entry))
+    if out.finished:
+        event.finish_reason = FINISH_REASONS.get(out.finish_reason,
+                                                 common_pb2.FINISH_REASON_ABORT)
+        if out.stop_reason is not None:
+            event.stop_reason = str(out.stop_reason)
+        event.usage.CopyFrom(common_pb2.Usage(
+            prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+            cached_prompt_tokens=out.num_cached_tokens))
+    return event
+
+
+def logprobs_from_proto(entries) -> list[list[tuple[int, float]]]:
+    """The public API's shape: per token, (sampled id, logprob) then the alternatives."""
+    return [[(e.token_id, e.logprob)] + [(t.token_id, t.logprob) for t in e.top]
+            for e in entries]
+
+
+def logprobs_to_proto(entries) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(
+        token_id=e[0][0], logprob=e[0][1],
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in e[1:]])
+        for e in entries]

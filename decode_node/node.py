@@ -10,23 +10,9 @@ from decode_node.service import DecodeService
 from decode_node.streams import StreamTable
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
-from engine.output_processor import OutputProcessor
 from engine.pd_decode import KvReceiver
 from engine.pd_fingerprint import engine_fingerprint
 from protos import node_pb2_grpc
-
-MAX_PUBLISHED_HASHES = 4096
-
-
-def load_tokenizer(engine: LLMEngine):
-    """The model folder's tokenizer (None without tokenizer.json); EOS as the LLM sets it."""
-    if not (Path(engine.config.model) / "tokenizer.json").is_file():
-        return None
-    from engine.tokenizer import Tokenizer
-    tok = Tokenizer(engine.config.model)
-    if tok.eos_token_id is not None and not engine.eos_token_ids:
-        engine.eos_token_ids = frozenset([tok.eos_token_id])
-    return tok
 
 
 class DecodeNode:
@@ -36,28 +22,28 @@ class DecodeNode:
     def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0,
                  kv_tcp_listen: str | None = None):
         self.engine = LLMEngine(config)
-        self.tokenizer = load_tokenizer(self.engine)
         self.fingerprint = engine_fingerprint(self.engine)
         self.receiver = KvReceiver(self.engine, lease_s)
-        self.streams = StreamTable(self.engine, OutputProcessor(self.tokenizer))
-        self.loop = EngineLoop(self.engine, self.receiver.lock, on_step=self.streams.emit_all,
-                               after_step=self.streams.reap, name="decode")
+        self.streams = StreamTable()
+        self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode")
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
-                                     self.loop.wake, node_id=node_id,
-                                     model_id=Path(config.model).name)
+                                     node_id=node_id, model_id=Path(config.model).name)
         self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
         self.kv_tcp = None
 
     def start(self, advertise_host: str | None = None) -> None:
         """Call from the event loop that serves the service."""
-        self.loop.start()
         self.service.start()
+        self.loop.start()
         if self.kv_tcp_listen:
             from cluster.kv_transfer.tcp_transport import TcpKvServer
             host, _, port = self.kv_tcp_listen.rpartition(":")
             self.kv_tcp = TcpKvServer(self.service.push_handler, host.strip("[]"), int(port))
             self.kv_tcp.start()
             self.service.kv_tcp_address = self.kv_tcp.address(advertise_host)
+
+    def begin_drain(self) -> None:
+        self.service.begin_drain()
 
     async def stop(self) -> None:
         if self.kv_tcp is not None:
@@ -66,8 +52,8 @@ class DecodeNode:
         self.loop.stop()
 
     def load(self) -> NodeLoad:
-        eng, bm = self.engine, self.engine.block_manager
-        return NodeLoad(running=len(eng.scheduler.running), waiting=len(eng.scheduler.waiting),
-                        free_blocks=bm.num_free_blocks, total_blocks=bm.num_blocks - 1,
+        load = self.engine.load()
+        return NodeLoad(running=load.running, waiting=load.waiting,
+                        free_blocks=load.free_blocks, total_blocks=load.total_blocks,
                         reserved=len(self.receiver.reservations),
-                        block_hashes=tuple(bm.cached_block_hashes()[:MAX_PUBLISHED_HASHES]))
+                        block_hashes=load.block_hashes)

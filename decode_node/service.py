@@ -1,52 +1,76 @@
-"""DecodeNode gRPC service (grpc.aio): Decode (reserve + token stream), PushKv, abort."""
+"""DecodeNode gRPC service (grpc.aio): Decode (reserve + token stream), PushKv, abort.
+
+It talks to the engine only through engine commands (KvReceiver submits ReserveBlocks /
+AdmitPrefilled / FreeReserved; a cancelled caller becomes an AbortRequest) and hears
+back through the engine loop's outbox (decode_node/streams.py). Each reservation's fate
+is the KvReceiver's state machine; `_on_release` turns a release into the status that
+ends the request's stream, with the failing side and a replay hint in the trailers.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
+from concurrent.futures import Future
 
 import grpc
 
 from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.receiver import PushHandler
 from cluster.proto_convert import fingerprint_from_proto, fingerprint_to_proto, sampling_from_proto
-from decode_node.streams import RequestStream, StreamTable
-from engine.pd_decode import CapacityError, KvReceiver
+from cluster.rpc_status import DECODE, PREFILL, RpcFailure
+from decode_node.streams import StreamTable
+from engine.commands import AbortRequest
+from engine.pd_decode import (
+    CapacityError,
+    Draining,
+    KvReceiver,
+    ReleaseReason,
+    Reservation,
+)
 from engine.pd_fingerprint import Fingerprint
-from engine.sequence import Sequence
 from protos import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("decode_node")
 
 LEASE_CHECK_S = 0.2
+DRAINING = "decode node is draining"
+
+# How a released reservation ends its stream (None: the caller is gone, nobody to tell).
+_RELEASE_STATUS = {
+    ReleaseReason.CALLER_CANCELLED: None,
+    ReleaseReason.PREFILL_FAILED: (grpc.StatusCode.ABORTED, PREFILL, False),
+    ReleaseReason.PUSH_REFUSED: (grpc.StatusCode.ABORTED, DECODE, False),
+    ReleaseReason.LEASE_EXPIRED: (grpc.StatusCode.ABORTED, DECODE, True),
+    ReleaseReason.DRAINING: (grpc.StatusCode.UNAVAILABLE, DECODE, True),
+}
 
 
 class DecodeService(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, engine, receiver: KvReceiver, streams: StreamTable,
-                 fingerprint: Fingerprint, wake, node_id: str = "decode",
-                 model_id: str = ""):
+                 fingerprint: Fingerprint, node_id: str = "decode", model_id: str = ""):
         self.engine = engine
         self.receiver = receiver
         self.streams = streams
         self.fingerprint = fingerprint
-        self.wake = wake                  # wakes the engine loop
         self.node_id = node_id
         self.model_id = model_id
-        self.draining = False
         self.kv_tcp_address = ""          # the raw-TCP KV data plane, when it runs
-        self.push_handler = PushHandler(receiver, fingerprint, self._admitted, self._push_failed)
+        self.push_handler = PushHandler(receiver, fingerprint)
+        receiver.on_release = self._on_release
         self._reaper: asyncio.Task | None = None
 
     @property
-    def lock(self):
-        return self.receiver.lock
+    def draining(self) -> bool:
+        return self.receiver.refusing is not None
 
     @property
     def in_flight(self) -> int:
         return len(self.streams.streams)
 
     def start(self) -> None:
+        self.streams.bind(asyncio.get_running_loop())
         self._reaper = asyncio.create_task(self._reap_leases(), name="lease-reaper")
 
     async def stop(self) -> None:
@@ -54,10 +78,19 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
 
+    def begin_drain(self) -> int:
+        """SIGTERM: refuse new reservations and release those whose push has not begun
+        (their callers replay elsewhere); admitted requests run to their end. Returns how
+        many reservations were released."""
+        released = self.receiver.drain(DRAINING)
+        log.info("drain: refusing new reservations; released %d not yet pushed",
+                 len(released))
+        return len(released)
+
     # ---- Decode: reserve, then stream tokens ---------------------------------------
     async def Decode(self, request: node_pb2.ReserveRequest, context):
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode node is draining")
+            await RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING, DECODE, True).abort(context)
         rid = request.request_id or uuid.uuid4().hex
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,20 +105,27 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     "KV fingerprint mismatch (decode node vs prefill node): "
                                     + "; ".join(diff))
-        if rid in self.streams.streams:
+        stream = self.streams.open(rid)
+        if stream is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request id {rid!r} is already in use")
-        stream = RequestStream(rid, asyncio.get_running_loop())
-        self.streams.streams[rid] = stream
         finished = False
+        reserving: Future | None = None
         try:
             lease_s = request.lease_ms / 1000 if request.lease_ms else None
             try:
-                res = await asyncio.to_thread(self.receiver.reserve, rid,
-                                              list(request.prompt_token_ids), params, lease_s)
+                reserving = self.receiver.reserve(rid, list(request.prompt_token_ids), params,
+                                                  lease_s)
+                res: Reservation = await asyncio.wrap_future(reserving)
+            except Draining as exc:
+                finished = True
+                await RpcFailure(grpc.StatusCode.UNAVAILABLE, str(exc), DECODE, True
+                                 ).abort(context)
             except CapacityError as exc:
+                finished = True
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except ValueError as exc:
+                finished = True
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             stream.reservation_id = res.reservation_id
             lease_ms = int(round((lease_s or self.receiver.default_lease_s) * 1000))
@@ -95,64 +135,65 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                 fingerprint=fingerprint_to_proto(self.fingerprint)))
             while True:
                 item = await stream.queue.get()
-                if isinstance(item, PushFailed):
+                if isinstance(item, RpcFailure):
                     finished = True      # the reservation is already released
-                    await context.abort(item.code, item.message)
+                    await item.abort(context)
                 yield node_pb2.DecodeEvent(tokens=item)
                 if item.finish_reason:
                     finished = True
                     return
         finally:
-            self.streams.streams.pop(rid, None)
+            self.streams.close(rid)
             if not finished:             # the caller went away (or we failed): free it
-                await asyncio.to_thread(self._abort_request, rid, stream.reservation_id)
+                self._cancel(rid, reserving)
 
-    def _abort_request(self, request_id: str, reservation_id: str) -> None:
-        with self.lock:
-            if reservation_id and self.receiver.release(reservation_id, "caller cancelled"):
+    def _cancel(self, request_id: str, reserving: Future | None) -> None:
+        def release(fut: Future) -> None:
+            if fut.cancelled() or fut.exception() is not None:
                 return
-            seq = self.engine.requests.get(request_id)
-            if seq is not None:
-                self.engine.abort(request_id)
-                self.streams.output_processor.forget(seq)
-                log.info("request %s: aborted (caller cancelled)", request_id)
+            res = fut.result()
+            if self.receiver.release(res.reservation_id, ReleaseReason.CALLER_CANCELLED):
+                return
+            self.engine.submit(AbortRequest(request_id))     # admitted: abort it
+            log.info("request %s: aborted (caller cancelled)", request_id)
+
+        if reserving is not None:     # still reserving: release once the blocks are found
+            reserving.add_done_callback(release)
 
     # ---- PushKv --------------------------------------------------------------------
     async def PushKv(self, request_iterator, context):
         try:
             return await self.push_handler.handle(request_iterator.__aiter__())
         except PushFailed as exc:
-            await context.abort(exc.code, exc.message)
-
-    async def _admitted(self, seq: Sequence) -> None:
-        def emit():
-            with self.lock:
-                self.streams.emit(seq)
-        await asyncio.to_thread(emit)
-        self.wake()
-
-    async def _push_failed(self, request_id: str, reservation_id: str, err: PushFailed) -> None:
-        self.streams.fail(request_id, PushFailed(grpc.StatusCode.ABORTED,
-                                                 f"KV push refused: {err}"))
+            await RpcFailure(exc.code, exc.message, exc.side).abort(context)
 
     # ---- failure notices and leases ------------------------------------------------
+    def _on_release(self, res: Reservation) -> None:
+        """Any thread: a reservation was released; end its stream with the reason."""
+        status = _RELEASE_STATUS[res.release_reason]
+        if status is None:
+            return
+        code, side, replay = status
+        what = {ReleaseReason.PREFILL_FAILED: "prefill failed",
+                ReleaseReason.PUSH_REFUSED: "KV push refused",
+                ReleaseReason.LEASE_EXPIRED: "reservation lease expired before the KV "
+                                             "push completed",
+                ReleaseReason.DRAINING: "reservation released: decode node is draining",
+                }[res.release_reason]
+        self.streams.fail(res.request_id, RpcFailure(code, f"{what}: {res.detail}", side,
+                                                     replay))
+
     async def AbortReservation(self, request: node_pb2.AbortRequest, context):
-        res = await asyncio.to_thread(self.receiver.release, request.reservation_id,
-                                      f"abort notice: {request.reason}")
-        if res is not None:
-            self.streams.fail(res.request_id, PushFailed(
-                grpc.StatusCode.ABORTED, f"prefill failed: {request.reason or 'no reason given'}"))
+        res = self.receiver.release(request.reservation_id, ReleaseReason.PREFILL_FAILED,
+                                    request.reason or "no reason given")
         return node_pb2.AbortReply(found=res is not None)
 
     async def _reap_leases(self) -> None:
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
-            for res in await asyncio.to_thread(self.receiver.expire):
+            for res in self.receiver.expire():
                 log.warning("request %s: lease expired before its KV push completed; its "
                             "blocks returned to the pool", res.request_id)
-                self.streams.fail(res.request_id, PushFailed(
-                    grpc.StatusCode.ABORTED, "reservation lease expired before the KV push "
-                    "completed"))
 
     async def GetNodeInfo(self, request, context):
         return node_pb2.NodeInfo(node_id=self.node_id, role="decode", model_id=self.model_id,

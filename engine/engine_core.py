@@ -1,18 +1,37 @@
 """LLMEngine: owns the model, KV cache, scheduler, builder and worker; one `step()` runs
 schedule -> build_forward_input -> Worker.step -> postprocess (seed section 0).
 
-Token ids in, token ids out; text (tokenizer, stop strings) is layered on top by
-engine/output_processor.py so the nodes can reuse this core.
+Its boundary is small (engine/commands.py): other threads submit typed commands (add,
+abort, finish, reserve / free / admit a PD-prefilled sequence), which `run_once` applies
+between steps, and everything a request gains leaves as an `EngineOutput` from
+`run_once` (token ids, text with stop strings applied by engine/output_processor.py,
+logprobs, finish, usage). `load()` is a snapshot any thread may read. A PD prefill
+node composes a connector (engine/pd_prefill.py) that pushes KV from inside the step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
 from engine.block_manager import BlockManager
+from engine.commands import (
+    AbortRequest,
+    AddRequest,
+    AdmitPrefilled,
+    CapacityError,
+    Command,
+    CommandInbox,
+    EngineLoad,
+    EngineOutput,
+    FinishRequest,
+    FreeReserved,
+    ReserveBlocks,
+)
 from engine.config import EngineConfig
 from engine.device import Device
 from engine.executor.graph_buckets import GraphOptions
@@ -20,9 +39,10 @@ from engine.executor.graph_stats import executor_stats
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
 from engine.models.loader import load_model
+from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from engine.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -49,8 +69,22 @@ def resolve_dtype(requested: str, model_dtype: str | None, device: Device) -> to
     return dtype
 
 
+LOAD_HASHES_EVERY_S = 0.5      # the published prefix hashes need not be fresher
+MAX_PUBLISHED_HASHES = 4096
+
+
+def load_tokenizer(model_dir: str):
+    """The model folder's tokenizer, or None without tokenizer.json."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    from engine.tokenizer import Tokenizer
+    return Tokenizer(model_dir)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, connector=None):
+        """connector: a factory `connector(engine)` for an object that takes part in each
+        step (engine/pd_prefill.py's KvPushConnector), or None."""
         self.config = config
         self.device = Device(config.device)
         from engine.models.model_config import ModelConfig
@@ -62,10 +96,6 @@ class LLMEngine:
                                                    self.device.torch_device,
                                                    config.attention_backend)
         log.info("loaded %s (%s) in %.1fs", config.model, self.dtype, time.perf_counter() - t0)
-        if self.device.is_cpu:
-            # build (or load the cached) CPU attention kernel now, not in the first request
-            from engine.layers import cpu_paged_attention
-            cpu_paged_attention.kernel()
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -90,6 +120,17 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "computed_tokens": 0, "requests_finished": 0}
+        self.tokenizer = load_tokenizer(config.model)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None \
+                and not self.eos_token_ids:
+            self.eos_token_ids = frozenset([self.tokenizer.eos_token_id])
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.inbox = CommandInbox()
+        self._changed: dict[int, Sequence] = {}   # gained or ended outside a step
+        self._load = EngineLoad()
+        self._load_hashes_at = 0.0
+        self.connector = connector(self) if connector is not None else None
+        self._refresh_load()
 
     def _blocks_for_memory(self) -> int:
         mc, cfg = self.model_config, self.config
@@ -129,16 +170,165 @@ class LLMEngine:
         return seq
 
     def abort(self, request_id: str) -> None:
+        self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, reason: str, stop_reason=None) -> None:
+        """End a live request now; its last output says `reason`."""
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, reason, stop_reason)
+            self._changed[seq.seq_id] = seq
+
+    def release(self, request_id: str) -> None:
+        """Forget a request at once, without a final output (its blocks are freed)."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (its blocks are already free)."""
-        self.requests.pop(request_id, None)
+            self._changed.pop(seq.seq_id, None)
+            self.output_processor.forget(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._changed) or bool(len(self.inbox))
+
+    # ---- the command boundary ------------------------------------------------------
+    def submit(self, command: Command) -> Future:
+        """Thread-safe once a loop attached to the inbox (applied before its next step);
+        before that, applied right here."""
+        if self.inbox.attached:
+            return self.inbox.put(command)
+        fut: Future = Future()
+        self._apply_one(command, fut)
+        return fut
+
+    def apply_commands(self) -> None:
+        for command, fut in self.inbox.take():
+            self._apply_one(command, fut)
+
+    def _apply_one(self, command: Command, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = self._apply(command)
+        except Exception as exc:  # noqa: BLE001 - the submitter gets it
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _apply(self, cmd: Command):
+        if isinstance(cmd, AddRequest):
+            seq = self.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+            if cmd.push is not None:
+                self.connector.watch(seq, cmd.push)
+            return seq
+        if isinstance(cmd, AbortRequest):
+            return self.finish(cmd.request_id, "abort")
+        if isinstance(cmd, FinishRequest):
+            return self.finish(cmd.request_id, cmd.reason, cmd.stop_reason)
+        if isinstance(cmd, ReserveBlocks):
+            return self._reserve(cmd)
+        if isinstance(cmd, FreeReserved):
+            return self._free_reserved(cmd.seq)
+        if isinstance(cmd, AdmitPrefilled):
+            return self._admit(cmd)
+        raise TypeError(f"unknown engine command {type(cmd).__name__}")
+
+    def run_once(self) -> list[EngineOutput]:
+        """The loop body: apply the commands that arrived, run one step when there is
+        work, and return every request's output since the last call."""
+        self.apply_commands()
+        grew = self.step() if self.scheduler.has_unfinished() else []
+        outputs = self.take_outputs(grew)
+        self._refresh_load()
+        return outputs
+
+    def take_outputs(self, grew: list[Sequence]) -> list[EngineOutput]:
+        seqs = {s.seq_id: s for s in grew}
+        seqs.update(self._changed)
+        self._changed.clear()
+        if self.connector is not None:
+            self.connector.reap()
+        outputs = []
+        for seq in seqs.values():
+            self._apply_stop_strings(seq)
+            out = self.output_processor.delta(seq)
+            if out is not None:
+                outputs.append(out)
+            if seq.is_finished:
+                self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _apply_stop_strings(self, seq: Sequence) -> None:
+        stop = self.output_processor.update(seq)
+        if stop is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "stop", stop)
+
+    def abort_all(self) -> list[EngineOutput]:
+        """After a failed step: end every request (their outputs say "abort")."""
+        for request_id in list(self.requests):
+            self.finish(request_id, "abort")
+        outputs = self.take_outputs([])
+        self._refresh_load()
+        return outputs
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    def _refresh_load(self) -> None:
+        bm, now = self.block_manager, time.monotonic()
+        hashes = self._load.block_hashes
+        if now - self._load_hashes_at >= LOAD_HASHES_EVERY_S:
+            hashes = tuple(bm.cached_block_hashes()[:MAX_PUBLISHED_HASHES])
+            self._load_hashes_at = now
+        self._load = EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
+                                bm.num_free_blocks, bm.num_blocks - 1, hashes)
+
+    # ---- PD decode side: reserved sequences -------------------------------------------
+    def _reserve(self, cmd: ReserveBlocks) -> Sequence:
+        if cmd.request_id in self.requests:
+            raise ValueError(f"request id {cmd.request_id!r} is already in use")
+        busy = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if busy + cmd.max_reserved >= self.config.max_num_seqs:
+            raise CapacityError(f"decode node is full: {busy} running/waiting and "
+                                f"{cmd.max_reserved} reserved of max_num_seqs "
+                                f"{self.config.max_num_seqs}")
+        seq = Sequence(cmd.prompt_token_ids, cmd.params, cmd.request_id,
+                       arrival=time.monotonic())
+        bm = self.block_manager
+        if not bm.allocate(seq):
+            raise CapacityError(f"decode node has {bm.num_free_blocks} free KV blocks, "
+                                f"request {cmd.request_id} needs "
+                                f"{bm.blocks_needed(len(seq))}")
+        return seq
+
+    def _free_reserved(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING:      # never admitted
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+
+    def _admit(self, cmd: AdmitPrefilled) -> Sequence:
+        seq = cmd.seq
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(f"request {seq.request_id} is no longer reserved")
+        seq.num_cached_tokens = len(seq)
+        self.block_manager.cache_full_blocks(seq)
+        seq.append_token(cmd.first_token)
+        if cmd.first_logprob is not None and seq.params.logprobs is not None:
+            seq.logprobs.append(dict(cmd.first_logprob))
+        self.requests[seq.request_id] = seq
+        self.counters["prompt_tokens"] += seq.num_prompt_tokens
+        self.counters["generated_tokens"] += 1
+        if cmd.mtp is not None:
+            from engine.pd_mtp import install_handoff
+            install_handoff(self, seq, cmd.mtp, list(cmd.push_block_ids))
+        self.scheduler.admit_running(seq, self.eos_token_ids)   # may finish it at once
+        self._changed[seq.seq_id] = seq
+        return seq
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -148,6 +338,8 @@ class LLMEngine:
             self._unblock()
             return []
         grew = self.execute(sched)
+        for seq in grew:        # stop strings end a sequence before the next step
+            self._apply_stop_strings(seq)
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sched.num_tokens
         self.counters["generated_tokens"] += (len(grew) if self.speculative is None
@@ -156,6 +348,14 @@ class LLMEngine:
         return grew
 
     def execute(self, sched: SchedulerOutput) -> list[Sequence]:
+        if self.connector is None:
+            return self._execute(sched)
+        with self.connector.step_scope(sched):
+            grew = self._execute(sched)
+        self.connector.step_done(grew)
+        return grew
+
+    def _execute(self, sched: SchedulerOutput) -> list[Sequence]:
         if self.speculative is not None:
             return self.speculative.execute(sched, self.scheduler, self.eos_token_ids)
         fi = self.builder.build_forward_input(sched)
@@ -195,6 +395,7 @@ class LLMEngine:
             log.warning("request %s needs more KV blocks than the cache holds; finishing it",
                         seq.request_id)
             sch.finish(seq, "length")
+            self._changed[seq.seq_id] = seq
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
-from engine.output_processor import OutputProcessor, RequestOutput
+from engine.output_processor import RequestOutput, make_output
 from engine.sampling_params import SamplingParams
 
 Prompt = str | dict
@@ -20,13 +20,7 @@ class LLM:
     def __init__(self, model: str | Path, **engine_options):
         self.config = EngineConfig(model=str(model), **engine_options)
         self.engine = LLMEngine(self.config)
-        self.tokenizer = None
-        if (Path(model) / "tokenizer.json").is_file():
-            from engine.tokenizer import Tokenizer
-            self.tokenizer = Tokenizer(model)
-            if self.tokenizer.eos_token_id is not None and not self.engine.eos_token_ids:
-                self.engine.eos_token_ids = frozenset([self.tokenizer.eos_token_id])
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     # ---- public API ----------------------------------------------------------------
@@ -70,31 +64,24 @@ class LLM:
         try:
             for ids, p in zip(encoded, params, strict=True):
                 seqs.append(engine.add_request(f"offline-{next(self._ids)}", ids, p))
-            pending = set(s.seq_id for s in seqs)
+            text = {s.request_id: "" for s in seqs}
+            pending = set(text)
             bar = tqdm(total=len(seqs), desc="generate", unit="req", disable=not use_tqdm)
             while pending:
-                for seq in engine.step():
-                    self._process(seq)
-                done = [s for s in seqs if s.seq_id in pending and s.is_finished]
-                for seq in done:
-                    self._process(seq)
-                    pending.discard(seq.seq_id)
-                bar.update(len(done))
-                if pending and not engine.has_unfinished():
+                outputs = engine.run_once()
+                for out in outputs:
+                    text[out.request_id] += out.text
+                    if out.finished:
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                if pending and not outputs and not engine.has_work():
                     raise RuntimeError("engine stopped with requests unfinished")
             bar.close()
-            return [self.output_processor.make_output(s, t)
-                    for s, t in zip(seqs, texts, strict=False)]
+            return [make_output(s, prompt, text[s.request_id])
+                    for s, prompt in zip(seqs, texts, strict=False)]
         finally:
             for seq in seqs:
-                engine.abort(seq.request_id)    # no-op for finished ones; frees the rest
-                engine.release(seq.request_id)
-                self.output_processor.forget(seq)
-
-    def _process(self, seq) -> None:
-        stop = self.output_processor.update(seq)
-        if stop is not None and not seq.is_finished:
-            self.engine.scheduler.finish(seq, "stop", stop)
+                engine.release(seq.request_id)    # no-op for finished ones; frees the rest
 
     def _broadcast_params(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:

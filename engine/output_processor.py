@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.commands import EngineOutput
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -30,12 +31,37 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """Keeps one detokenizer per live request and applies stop strings."""
+    """Keeps one detokenizer per live request, applies stop strings, and makes each
+    request's EngineOutput deltas (what it gained since its last output)."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._seen: dict[int, int] = {}
+        self._sent: dict[int, tuple[int, int]] = {}    # seq_id -> (tokens, text chars)
+
+    def delta(self, seq: Sequence) -> EngineOutput | None:
+        """The output for what `seq` gained since the last one (None: nothing new). The
+        final one carries the finish and usage and forgets the sequence."""
+        sent_tokens, sent_text = self._sent.get(seq.seq_id, (0, 0))
+        out = seq.output_token_ids
+        new = out[sent_tokens:]
+        if not new and not seq.is_finished:
+            return None
+        text = self.text(seq)
+        lps = []
+        if seq.params.logprobs is not None:
+            lps = [seq.logprobs[i] for i in range(sent_tokens, len(out))
+                   if i < len(seq.logprobs)]
+        result = EngineOutput(seq.request_id, new, text[sent_text:], lps)
+        self._sent[seq.seq_id] = (len(out), max(sent_text, len(text)))
+        if seq.is_finished:
+            result.finish_reason, result.stop_reason = seq.finish_reason, seq.stop_reason
+            result.num_prompt_tokens = seq.num_prompt_tokens
+            result.num_output_tokens = len(out)
+            result.num_cached_tokens = seq.num_prefix_hit_tokens
+            self.forget(seq)
+        return result
 
     def update(self, seq: Sequence) -> str | None:
         """Detokenize the tokens `seq` gained; returns the stop string it hit, if any.
@@ -77,16 +103,19 @@ class OutputProcessor:
         d = self._detok.get(seq.seq_id)
         return d.text if d is not None else ""
 
-    def make_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        lps = seq.logprobs if seq.params.logprobs is not None else None
-        cum = None
-        if lps:
-            cum = sum(entry[tok] for entry, tok in zip(lps, seq.output_token_ids, strict=False))
-        completion = CompletionOutput(0, self.text(seq), seq.output_token_ids, lps, cum,
-                                      seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion],
-                             seq.is_finished, seq.num_prefix_hit_tokens)
-
     def forget(self, seq: Sequence) -> None:
         self._detok.pop(seq.seq_id, None)
         self._seen.pop(seq.seq_id, None)
+        self._sent.pop(seq.seq_id, None)
+
+
+def make_output(seq: Sequence, prompt: str | None, text: str) -> RequestOutput:
+    """The offline API's result for a sequence, with the text its outputs carried."""
+    lps = seq.logprobs if seq.params.logprobs is not None else None
+    cum = None
+    if lps:
+        cum = sum(entry[tok] for entry, tok in zip(lps, seq.output_token_ids, strict=False))
+    completion = CompletionOutput(0, text, seq.output_token_ids, lps, cum,
+                                  seq.finish_reason, seq.stop_reason)
+    return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion],
+                         seq.is_finished, seq.num_prefix_hit_tokens)

@@ -1,19 +1,32 @@
-"""Decode side of PD PUSH: reserve blocks for a prompt, receive its KV into them, admit it.
+"""Decode side of PD PUSH: one `Reservation` per pushed prompt, with an explicit state.
 
-`reserve` allocates the prompt's blocks the way a local prefill would (a prefix-cache hit
-reuses blocks and is reported as `num_cached_blocks`: the prefill node pushes only the
-rest) and starts a lease. `write` validates a chunk completely before touching the cache
-(unknown reservation, wrong layer/kind/block ids/shape/dtype/byte count: refused, nothing
-written). `complete` admits the sequence into the running batch with its first token only
-when every (layer, K/V, block) has arrived. `release` / `expire` return the blocks.
+```
+            reserve                 first chunk               complete (all KV arrived)
+  (none) ----------> RESERVED ------------------> RECEIVING ----------------------> ADMITTED
+                        |                             |
+                        +------------+----------------+
+                                     | release(reason): caller cancelled, prefill failed,
+                                     v  push refused, lease expired, node draining
+                                 RELEASED
+```
 
-Thread safety: `lock` guards the scheduler and block manager; the engine loop must hold
-it around `engine.step()`. `write` takes only the reservation's own lock, so KV lands in
-its (exclusively owned) blocks while the engine computes other sequences.
+Every transition goes through `KvReceiver._transition` (one place: checked against
+`ALLOWED`, logged with the request id, counted by state and reason, and reported to
+`on_release` for a release, so the node can end the request's stream with the reason).
+
+`reserve` asks the engine (a ReserveBlocks command) to allocate the prompt's blocks the
+way a local prefill would: a prefix-cache hit reuses blocks and is reported as
+`num_cached_blocks`, and the prefill node pushes only the rest. `write` validates a chunk
+completely before touching the cache (wrong layer/kind/block ids/shape/dtype/byte count:
+refused, nothing written) and copies it into the reservation's blocks, which it owns
+exclusively, so KV lands while the engine computes other sequences. `complete` admits the
+sequence (an AdmitPrefilled command) only when every (layer, K/V, block) has arrived.
+The receiver never touches the scheduler or block tables itself: those are the engine's.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import math
@@ -21,28 +34,58 @@ import threading
 import time
 import uuid
 import warnings
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.engine_core import LLMEngine
+from engine.commands import AdmitPrefilled, CapacityError, FreeReserved, ReserveBlocks
 from engine.kv_cache import scatter_blocks
-from engine.pd_mtp import check_handoff, install_handoff
+from engine.pd_mtp import check_handoff
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
+
+__all__ = ["CapacityError", "Draining", "KvReceiver", "PushRejected", "Reservation",
+           "ReleaseReason", "ReservationState", "UnknownReservation", "KEY", "VALUE"]
 
 log = logging.getLogger(__name__)
 
 KEY, VALUE = 0, 1
 
 
-class CapacityError(RuntimeError):
-    """The decode node is full right now (RESOURCE_EXHAUSTED); retry or go elsewhere."""
+class ReservationState(enum.Enum):
+    RESERVED = "reserved"        # blocks held, no KV yet
+    RECEIVING = "receiving"      # the push has started writing
+    ADMITTED = "admitted"        # in the running batch; the blocks belong to the sequence
+    RELEASED = "released"        # blocks returned; `release_reason` says why
+
+
+class ReleaseReason(enum.Enum):
+    CALLER_CANCELLED = "caller cancelled"
+    PREFILL_FAILED = "prefill failed"
+    PUSH_REFUSED = "push refused"
+    LEASE_EXPIRED = "lease expired"
+    DRAINING = "node draining"
+
+
+ALLOWED = {
+    ReservationState.RESERVED: {ReservationState.RECEIVING, ReservationState.ADMITTED,
+                                ReservationState.RELEASED},
+    ReservationState.RECEIVING: {ReservationState.ADMITTED, ReservationState.RELEASED},
+    ReservationState.ADMITTED: set(),
+    ReservationState.RELEASED: set(),
+}
 
 
 class UnknownReservation(KeyError):
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown reservation"
+
+
+class Draining(CapacityError):
+    """The node is draining: it takes no new reservation (UNAVAILABLE; go elsewhere)."""
 
 
 class PushRejected(ValueError):
@@ -56,9 +99,11 @@ class Reservation:
     seq: Sequence
     num_cached_blocks: int
     deadline: float                       # time.monotonic()
+    state: ReservationState = ReservationState.RESERVED
+    release_reason: ReleaseReason | None = None
+    detail: str = ""                      # what the releaser said
     pending: dict[tuple[int, int], set[int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    released: bool = False
     bytes_received: int = 0
     chunks_received: int = 0
 
@@ -70,6 +115,10 @@ class Reservation:
     def push_block_ids(self) -> list[int]:
         return self.seq.block_table[self.num_cached_blocks:]
 
+    @property
+    def open(self) -> bool:
+        return self.state in (ReservationState.RESERVED, ReservationState.RECEIVING)
+
     def missing(self) -> str:
         left = {k: v for k, v in self.pending.items() if v}
         parts = [f"layer {layer} {'KV'[kind]} blocks {sorted(ids)}"
@@ -79,20 +128,41 @@ class Reservation:
 
 
 class KvReceiver:
-    def __init__(self, engine: LLMEngine, default_lease_s: float = 30.0):
+    def __init__(self, engine, default_lease_s: float = 30.0,
+                 on_release: Callable[[Reservation], None] | None = None):
+        """on_release(res): called once per released reservation (any thread)."""
         self.engine = engine
         self.default_lease_s = default_lease_s
-        self.lock = threading.RLock()
+        self.on_release = on_release
+        self.lock = threading.Lock()          # guards `reservations` only
         self.reservations: dict[str, Reservation] = {}
+        self.transitions: Counter = Counter()  # (state, reason or "") -> count
+        self.refusing: str | None = None       # set while draining: why reserve refuses
         self._ids = itertools.count()
         self._dtype_name = str(engine.dtype).removeprefix("torch.")
-        kv = engine.kv_cache
-        self._block_shape = kv.block_shape      # (block_size, heads, head_dim): wire layout
+        self._block_shape = engine.kv_cache.block_shape   # wire layout per block
         self._elem = torch.empty((), dtype=engine.dtype).element_size()
+
+    # ---- the one place a reservation changes state ---------------------------------
+    def _transition(self, res: Reservation, new: ReservationState,
+                    reason: ReleaseReason | None = None, detail: str = "") -> bool:
+        """Caller holds res.lock. False (nothing done) when the move is not allowed,
+        e.g. a second release racing the first."""
+        if new not in ALLOWED[res.state]:
+            return False
+        old, res.state = res.state, new
+        if new is ReservationState.RELEASED:
+            res.release_reason, res.detail = reason, detail
+        self.transitions[(new.value, reason.value if reason else "")] += 1
+        log.info("request %s: reservation %s %s -> %s%s", res.request_id, res.reservation_id,
+                 old.value, new.value, f" ({reason.value}: {detail})" if reason else "")
+        return True
 
     # ---- reserve -------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                lease_s: float | None = None) -> Reservation:
+                lease_s: float | None = None) -> Future:
+        """A Future of the Reservation (CapacityError when full, ValueError when the
+        prompt is bad or too long, CapacityError naming the drain while draining)."""
         eng = self.engine
         eng.validate_prompt(prompt_token_ids)          # ValueError: bad/too long prompt
         if not isinstance(params, SamplingParams):
@@ -103,35 +173,58 @@ class KvReceiver:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens needs {need} KV blocks "
                              f"but this decode node's cache has {bm.num_blocks - 1}")
         with self.lock:
-            if request_id in eng.requests or any(r.request_id == request_id
-                                                 for r in self.reservations.values()):
+            if self.refusing:
+                raise Draining(self.refusing)
+            if any(r.request_id == request_id for r in self.reservations.values()):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            busy = len(eng.scheduler.running) + len(eng.scheduler.waiting)
-            if busy + len(self.reservations) >= eng.config.max_num_seqs:
-                raise CapacityError(f"decode node is full: {busy} running/waiting and "
-                                    f"{len(self.reservations)} reserved of max_num_seqs "
-                                    f"{eng.config.max_num_seqs}")
-            seq = Sequence(prompt_token_ids, params, request_id, arrival=time.monotonic())
-            if not bm.allocate(seq):
-                raise CapacityError(f"decode node has {bm.num_free_blocks} free KV blocks, "
-                                    f"request {request_id} needs {need}")
-            num_cached = seq.num_cached_tokens // bm.block_size
             rid = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
+            placeholder = Reservation(rid, request_id, None, 0, math.inf)   # holds the id
+            self.reservations[rid] = placeholder
+            held = len(self.reservations) - 1
+        blocks = eng.submit(ReserveBlocks(request_id, list(prompt_token_ids), params, held))
+        out: Future = Future()
+
+        def reserved(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                with self.lock:
+                    self.reservations.pop(rid, None)
+                if out.set_running_or_notify_cancel():
+                    out.set_exception(exc)
+                return
+            seq = f.result()
+            num_cached = seq.num_cached_tokens // bm.block_size
             res = Reservation(rid, request_id, seq, num_cached,
                               time.monotonic() + (lease_s or self.default_lease_s))
-            push = set(res.push_block_ids)
             for layer in range(len(eng.kv_cache.k)):
                 for kind in (KEY, VALUE):
-                    res.pending[(layer, kind)] = set(push)
-            self.reservations[rid] = res
-        log.info("request %s: reserved %d blocks (%d from prefix cache) as %s", request_id,
-                 len(seq.block_table), num_cached, rid)
-        return res
+                    res.pending[(layer, kind)] = set(res.push_block_ids)
+            with self.lock:
+                refusing = self.refusing
+                if refusing:
+                    self.reservations.pop(rid, None)
+                else:
+                    self.reservations[rid] = res
+                    self.transitions[(ReservationState.RESERVED.value, "")] += 1
+            if refusing:                  # the drain began while the blocks were found
+                eng.submit(FreeReserved(seq))
+                if out.set_running_or_notify_cancel():
+                    out.set_exception(Draining(refusing))
+                return
+            log.info("request %s: reserved %d blocks (%d from prefix cache) as %s",
+                     request_id, len(seq.block_table), num_cached, rid)
+            if out.set_running_or_notify_cancel():
+                out.set_result(res)
+            else:                         # the caller gave up while the blocks were found
+                self.release(rid, ReleaseReason.CALLER_CANCELLED, "gone while reserving")
+
+        blocks.add_done_callback(reserved)
+        return out
 
     # ---- receive -------------------------------------------------------------------
     def get(self, reservation_id: str) -> Reservation:
         res = self.reservations.get(reservation_id)
-        if res is None or res.released:
+        if res is None or res.seq is None or not res.open:
             raise UnknownReservation(f"unknown or expired reservation {reservation_id!r}")
         return res
 
@@ -165,8 +258,9 @@ class KvReceiver:
             src = torch.frombuffer(data, dtype=torch.uint8)
         src = src.view(self.engine.dtype).view(expected_shape)
         with res.lock:
-            if res.released:
+            if not res.open:
                 raise UnknownReservation(f"reservation {reservation_id!r} ended during the push")
+            self._transition(res, ReservationState.RECEIVING)   # no-op once receiving
             cache = (self.engine.kv_cache.k if kind == KEY else self.engine.kv_cache.v)[layer]
             first = block_ids[0]
             if block_ids == list(range(first, first + len(block_ids))):   # one run: a slice
@@ -179,74 +273,79 @@ class KvReceiver:
             res.chunks_received += 1
 
     def complete(self, reservation_id: str, first_token: int,
-                 first_logprob: dict[int, float] | None = None, mtp=None) -> Sequence:
-        """All KV arrived: admit the sequence with its first token into the running batch.
-        An incomplete push is refused and releases the reservation. mtp: the prefill's
-        engine.pd_mtp.MtpHandoff, installed for this engine's MTP draft (if it has one)."""
+                 first_logprob: dict[int, float] | None = None, mtp=None) -> Future:
+        """All KV arrived: a Future of the Sequence admitted into the running batch with
+        its first token. An incomplete push is refused (PushRejected, raised here) and
+        releases the reservation. mtp: the prefill's engine.pd_mtp.MtpHandoff."""
         eng = self.engine
+        res = self.get(reservation_id)
+        with res.lock:
+            if not res.open:
+                raise UnknownReservation(f"reservation {reservation_id!r} ended during the push")
+            problem = None
+            missing = res.missing()
+            if missing:
+                problem = f"push for request {res.request_id} is incomplete: missing {missing}"
+            elif not 0 <= first_token < eng.vocab_size:
+                problem = f"first token {first_token} is outside the vocabulary"
+            elif mtp is not None:
+                problem = check_handoff(eng, mtp, len(res.push_block_ids))
+            if problem is None:
+                self._transition(res, ReservationState.ADMITTED)
+        if problem is not None:
+            self.release(reservation_id, ReleaseReason.PUSH_REFUSED, problem)
+            raise PushRejected(problem)
         with self.lock:
-            res = self.get(reservation_id)
-            with res.lock:
-                missing = res.missing()
-                if missing:
-                    self._release_locked(res, "incomplete push")
-                    raise PushRejected(f"push for request {res.request_id} is incomplete: "
-                                       f"missing {missing}")
-                if not 0 <= first_token < eng.vocab_size:
-                    self._release_locked(res, "bad first token")
-                    raise PushRejected(f"first token {first_token} is outside the vocabulary")
-                bad_mtp = None if mtp is None else check_handoff(eng, mtp,
-                                                                 len(res.push_block_ids))
-                if bad_mtp is not None:
-                    self._release_locked(res, "bad MTP payload")
-                    raise PushRejected(bad_mtp)
-                res.released = True     # ownership of the blocks moves to the sequence
-                del self.reservations[reservation_id]
-            seq = res.seq
-            seq.num_cached_tokens = len(seq)
-            eng.block_manager.cache_full_blocks(seq)
-            seq.append_token(first_token)
-            if first_logprob is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(dict(first_logprob))
-            eng.requests[seq.request_id] = seq
-            eng.counters["prompt_tokens"] += seq.num_prompt_tokens
-            eng.counters["generated_tokens"] += 1
-            seq.status = SequenceStatus.RUNNING
-            if mtp is not None:
-                install_handoff(eng, seq, mtp, res.push_block_ids)
-            eng.scheduler.running.append(seq)
-            eng.scheduler.check_stop(seq, eng.eos_token_ids)   # may finish it right away
-        log.info("request %s: KV complete (%d chunks, %d bytes), admitted with first token %d",
-                 res.request_id, res.chunks_received, res.bytes_received, first_token)
-        return seq
+            self.reservations.pop(reservation_id, None)
+        log.info("request %s: KV complete (%d chunks, %d bytes), admitting with first "
+                 "token %d", res.request_id, res.chunks_received, res.bytes_received,
+                 first_token)
+        return eng.submit(AdmitPrefilled(res.seq, first_token, first_logprob, mtp,
+                                         tuple(res.push_block_ids)))
 
     # ---- release -------------------------------------------------------------------
-    def release(self, reservation_id: str, reason: str) -> Reservation | None:
-        with self.lock:
-            res = self.reservations.get(reservation_id)
-            if res is None:
+    def release(self, reservation_id: str, reason: ReleaseReason, detail: str = ""
+                ) -> Reservation | None:
+        """Give the blocks back (not once admitted); None when there was nothing to
+        release. Reports the release to on_release."""
+        res = self.reservations.get(reservation_id)
+        if res is None or res.seq is None:
+            return None
+        with res.lock:
+            if not self._transition(res, ReservationState.RELEASED, reason, detail):
                 return None
-            with res.lock:
-                self._release_locked(res, reason)
-            return res
+        with self.lock:
+            self.reservations.pop(reservation_id, None)
+        self.engine.submit(FreeReserved(res.seq))
+        if self.on_release is not None:
+            self.on_release(res)
+        return res
 
-    def _release_locked(self, res: Reservation, reason: str) -> None:
-        if res.released:
-            return
-        res.released = True
-        self.reservations.pop(res.reservation_id, None)
-        self.engine.block_manager.free(res.seq)
-        res.seq.status = SequenceStatus.FINISHED
-        res.seq.finish_reason = "abort"
-        log.info("request %s: reservation %s released (%s)", res.request_id,
-                 res.reservation_id, reason)
+    def release_request(self, request_id: str, reason: ReleaseReason, detail: str = ""
+                        ) -> Reservation | None:
+        for res in [r for r in self.reservations.values() if r.request_id == request_id]:
+            return self.release(res.reservation_id, reason, detail)
+        return None
 
     def expire(self, now: float | None = None) -> list[Reservation]:
         """Release reservations whose lease ran out; returns them."""
         now = time.monotonic() if now is None else now
+        late = [r for r in list(self.reservations.values()) if r.deadline <= now]
+        return [r for r in late if self.release(r.reservation_id, ReleaseReason.LEASE_EXPIRED,
+                                                "lease ran out before the KV push completed")]
+
+    def drain(self, why: str) -> list[Reservation]:
+        """Refuse new reservations from now on, and release those whose push has not
+        started (they would hold the node up; the router replays them elsewhere).
+        Pushes already writing finish and are admitted."""
         with self.lock:
-            late = [r for r in self.reservations.values() if r.deadline <= now]
-            for res in late:
-                with res.lock:
-                    self._release_locked(res, "lease expired")
-        return late
+            self.refusing = why
+            idle = [r for r in self.reservations.values()
+                    if r.seq is not None and r.state is ReservationState.RESERVED]
+        return [r for r in idle
+                if self.release(r.reservation_id, ReleaseReason.DRAINING, why)]
+
+    def state_counts(self) -> dict[str, int]:
+        counts = Counter(r.state.value for r in list(self.reservations.values())
+                         if r.seq is not None)
+        return {s.value: counts.get(s.value, 0) for s in ReservationState}

@@ -63,6 +63,13 @@ class Scheduler:
                 f"{self.bm.num_blocks - 1}; raise num_gpu_blocks or shorten the prompt")
         self.waiting.append(seq)
 
+    def admit_running(self, seq: Sequence, eos_token_ids: frozenset[int]) -> None:
+        """A sequence whose prompt KV is already in its blocks (a PD push) joins the
+        running batch with its first token; its stop conditions apply at once."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.check_stop(seq, eos_token_ids)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -82,9 +82,12 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
     await stop.wait()
 
     log.info("%s node %s: SIGTERM, draining", role, node_id)
-    node.service.draining = True
-    await server.set_serving(False)
+    # Leave discovery first (routers stop picking this node), then refuse new work and
+    # release reservations whose push has not begun (their callers replay elsewhere),
+    # then finish what was admitted.
     await presence.stop()
+    node.begin_drain()
+    await server.set_serving(False)
     await drain(lambda: node.service.in_flight, args.drain_timeout, f"{role} node {node_id}")
     await server.stop(grace=1.0)
     await node.stop()

@@ -1,4 +1,8 @@
-"""PrefillNode gRPC service (grpc.aio): Prefill with the layer-wise KV push, abort."""
+"""PrefillNode gRPC service (grpc.aio): Prefill with the layer-wise KV push, abort.
+
+The engine is reached only by commands (an AddRequest carrying the push target, an
+AbortRequest); failures carry their side in the trailers (cluster/rpc_status.py): a
+refusal by the decode node says `decode`, this node's own failure says `prefill`."""
 
 from __future__ import annotations
 
@@ -15,20 +19,20 @@ from cluster.proto_convert import (
     logprob_to_proto,
     sampling_from_proto,
 )
+from cluster.rpc_status import DECODE, PREFILL, RpcFailure
+from engine.commands import AbortRequest
 from engine.pd_fingerprint import Fingerprint
-from engine.pd_prefill import PdPrefillEngine
+from engine.pd_prefill import push_request
 from protos import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("prefill_node")
 
 
 class PrefillService(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, engine: PdPrefillEngine, lock, wake, transport: KvTransport,
-                 fingerprint: Fingerprint, node_id: str = "prefill", model_id: str = "",
+    def __init__(self, engine, transport: KvTransport, fingerprint: Fingerprint,
+                 node_id: str = "prefill", model_id: str = "",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         self.engine = engine
-        self.lock = lock
-        self.wake = wake
         self.transport = transport
         self.fingerprint = fingerprint
         self.node_id = node_id
@@ -49,12 +53,13 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, invalid)
         if self.draining:
             await self._notify_decode(request, "prefill node is draining")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node is draining")
+            await RpcFailure(grpc.StatusCode.UNAVAILABLE, "prefill node is draining", PREFILL,
+                             True).abort(context)
         diff = self.fingerprint.mismatches(fingerprint_from_proto(request.decode_fingerprint))
         if diff:
             msg = "KV fingerprint mismatch (prefill node vs decode node): " + "; ".join(diff)
             await self._notify_decode(request, msg)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg)
+            await RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, msg, PREFILL).abort(context)
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
@@ -69,36 +74,34 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                             self.chunk_bytes,
                             raw_payload=getattr(self.transport, "wants_raw_payload", False))
 
-        def add():
-            with self.lock:
-                return self.engine.add_push_request(rid, list(request.prompt_token_ids), params,
-                                                    list(request.block_ids), skip, sender)
         try:
-            seq = await asyncio.to_thread(add)
+            command = push_request(rid, list(request.prompt_token_ids), params,
+                                   list(request.block_ids), skip, sender,
+                                   self.engine.config.block_size)
+            seq = await asyncio.wrap_future(self.engine.submit(command))
         except ValueError as exc:
             await self._notify_decode(request, str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.inflight[rid] = sender
-        self.wake()
         try:
             await self.transport.push(request.decode_address, sender.messages())
         except PushFailed as exc:
-            await asyncio.to_thread(self._abort_engine, rid)
+            self._abort_engine(rid)
             if sender.error is not None:
                 msg = f"prefill failed: {sender.error}"
                 await self._notify_decode(request, msg)
-                await context.abort(grpc.StatusCode.INTERNAL, msg)
+                await RpcFailure(grpc.StatusCode.INTERNAL, msg, PREFILL).abort(context)
             await self._notify_decode(request, f"push refused: {exc.message}")
-            await context.abort(exc.code, f"decode node {request.decode_address} refused the KV "
-                                          f"push of request {rid}: {exc.message}")
+            await RpcFailure(exc.code, f"decode node {request.decode_address} refused the KV "
+                             f"push of request {rid}: {exc.message}", exc.side).abort(context)
         except (OSError, RuntimeError, ValueError) as exc:    # a transport bug or a lost socket
             log.exception("request %s: KV push failed", rid)
-            await asyncio.to_thread(self._abort_engine, rid)
+            self._abort_engine(rid)
             await self._notify_decode(request, f"KV push failed: {exc}")
-            await context.abort(grpc.StatusCode.INTERNAL, f"KV push of request {rid} failed: "
-                                                          f"{exc}")
+            await RpcFailure(grpc.StatusCode.UNAVAILABLE, f"KV push of request {rid} to "
+                             f"{request.decode_address} failed: {exc}", DECODE).abort(context)
         except asyncio.CancelledError:       # the router went away
-            await asyncio.to_thread(self._abort_engine, rid)
+            self._abort_engine(rid)
             await self._notify_decode(request, "prefill cancelled by its caller")
             raise
         finally:
@@ -131,9 +134,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         return None
 
     def _abort_engine(self, request_id: str) -> None:
-        with self.lock:
-            if request_id in self.engine.requests:
-                self.engine.abort(request_id)
+        self.engine.submit(AbortRequest(request_id))
 
     async def _notify_decode(self, request: node_pb2.PrefillRequest, reason: str) -> None:
         if request.decode_address and request.reservation_id:
@@ -144,7 +145,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
     async def AbortPrefill(self, request: node_pb2.AbortRequest, context):
         sender = self.inflight.get(request.request_id)
         if sender is not None:
-            await asyncio.to_thread(self._abort_engine, request.request_id)
+            self._abort_engine(request.request_id)
             sender.cancel(RuntimeError(f"aborted: {request.reason}"))
         return node_pb2.AbortReply(found=sender is not None)
 

@@ -12,9 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.proto_convert import finish_to_proto, logprobs_to_proto, sampling_fields_from_proto
 from protos import api_pb2, api_pb2_grpc, common_pb2
 from router.errors import InvalidRequest, RouterError
-from router.proto_convert import finish_to_proto, logprobs_to_proto, sampling_from_proto
 from router.requests import (
     ParsedRequest,
     build_sampling,
@@ -44,7 +44,7 @@ def parse_generate(msg: api_pb2.GenerateRequest, service: RouterService) -> Pars
         ids = check_token_ids(list(msg.token_ids.ids), info, "token_ids")
         text = None
     check_prompt(ids, info, "prompt")
-    fields = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else {}
+    fields = sampling_fields_from_proto(msg.sampling) if msg.HasField("sampling") else {}
     max_tokens = fields.pop("max_tokens", 16)
     logprobs = fields.pop("logprobs", None)
     params = build_sampling(fields, max_tokens, logprobs)

@@ -6,8 +6,12 @@ arrives, and stream the decode node's token events back. The Prefill call is wat
 alongside the token stream, so a prefill node that dies ends the attempt at once instead of
 leaving the decode node to wait out its lease.
 
-When a node fails (connection refused, UNAVAILABLE, a stream that ends without a finish),
-the node is dropped from the pool and the request is replayed on another pair with the
+Which node failed, and whether it merely asks for a replay (draining, a reservation
+released before its push began), is read from the structured trailers every node sends
+(cluster/rpc_status.py), never from the text of a message. A replay hint excludes that
+node for this request only. When a node fails (connection refused, UNAVAILABLE, a stream
+that ends without a finish, no event for `stall_timeout_s`), the node is dropped from the
+pool and the request is replayed on another pair with the
 prompt plus every token already streamed as the new prompt and max_tokens reduced by them:
 the client's stream continues where it was, with nothing lost or repeated. (Greedy output is
 unchanged by a replay; penalties then count the streamed tokens as prompt tokens.)
@@ -23,6 +27,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+from cluster.rpc_status import DECODE, PREFILL, RpcFailure, failure_of
 from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from router.backend import NodeRequest, StepOutput
@@ -30,7 +36,6 @@ from router.errors import InvalidRequest, NodeFailure, NoNodeAvailable, Overload
 from router.metrics import RouterMetrics
 from router.node_pool import NodePool, NodeState
 from router.policies.base import RoutingPolicy, RoutingRequest
-from router.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 
 log = logging.getLogger("pdserve.router")
 
@@ -42,16 +47,41 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
 
 
 class _TryOther(Exception):
-    """This pair cannot take the request (full, incompatible, aborted); try another one."""
+    """This pair cannot take the request (full, incompatible, aborted, draining); try
+    another one. The node stays in the pool."""
 
-    def __init__(self, node_id: str, code: grpc.StatusCode, message: str):
+    def __init__(self, node: NodeState, code: grpc.StatusCode, message: str):
         super().__init__(message)
-        self.node_id, self.code, self.message = node_id, code, message
+        self.node_id, self.role, self.code, self.message = node.node_id, node.role, code, message
 
 
 class ChannelCache:
+    """One channel per node address. A failed node's channel is closed only once no call
+    uses it: closing a grpc.aio channel cancels every call on it, and a node that refuses
+    one request (or is draining) still serves the streams it has."""
+
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._users: dict[str, int] = {}
+        self._retired: set[str] = set()
+
+    def acquire(self, address: str) -> grpc.aio.Channel:
+        self._users[address] = self._users.get(address, 0) + 1
+        return self.get(address)
+
+    async def release(self, address: str) -> None:
+        self._users[address] -= 1
+        if not self._users[address]:
+            del self._users[address]
+            if address in self._retired:
+                await self.drop(address)
+
+    async def retire(self, address: str) -> None:
+        """Close the channel once its last call ends (now, when none is running)."""
+        if self._users.get(address):
+            self._retired.add(address)
+        else:
+            await self.drop(address)
 
     def get(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -61,6 +91,7 @@ class ChannelCache:
         return ch
 
     async def drop(self, address: str) -> None:
+        self._retired.discard(address)
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close(grace=None)
@@ -73,11 +104,13 @@ class ChannelCache:
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
                  max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
-                 stall_timeout_s: float = 120.0):
+                 stall_timeout_s: float = 60.0):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.max_model_len = max_model_len
-        # A decode node that sends nothing for this long is treated as down (a hung process
-        # would otherwise hold the client forever; a slow one still sends every step).
+        # A decode node that sends nothing for this long, while no prefill is pending for
+        # it, is treated as down and the request replayed (a hung process would otherwise
+        # hold the client forever; a slow one still sends every step). A pending prefill
+        # is bounded by the reservation's lease instead, which the decode node enforces.
         self.stall_timeout_s = stall_timeout_s
         self.lease_ms = lease_ms
         self.max_attempts = max_attempts
@@ -101,7 +134,7 @@ class PdBackend:
                     node.node_id, node.address, why)
         self.pool.mark_failed(node.node_id)
         self.metrics.node_failures.labels(node.role).inc()
-        await self.channels.drop(node.address)
+        await self.channels.retire(node.address)
 
     # ---- the request -------------------------------------------------------------------
     async def generate(self, request: NodeRequest) -> AsyncIterator[StepOutput]:
@@ -148,7 +181,7 @@ class PdBackend:
                 await self._node_failed(node, str(f), rid)
                 self.metrics.replays.inc()
             except _TryOther as t:
-                role = "prefill" if t.node_id == pre.node_id else "decode"
+                role = t.role
                 exclude[role].add(t.node_id)
                 if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full.add(t.node_id)
@@ -168,8 +201,8 @@ class PdBackend:
     async def _attempt(self, pre: NodeState, dec: NodeState, rid: str, prompt: list[int],
                        params: SamplingParams, original: SamplingParams, first_attempt: bool
                        ) -> AsyncIterator[StepOutput]:
-        decode_stub = node_pb2_grpc.DecodeNodeStub(self.channels.get(dec.address))
-        prefill_stub = node_pb2_grpc.PrefillNodeStub(self.channels.get(pre.address))
+        decode_stub = node_pb2_grpc.DecodeNodeStub(self.channels.acquire(dec.address))
+        prefill_stub = node_pb2_grpc.PrefillNodeStub(self.channels.acquire(pre.address))
         sampling = sampling_to_proto(params)
         call = decode_stub.Decode(node_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=self.lease_ms))
@@ -184,9 +217,11 @@ class PdBackend:
         try:
             read = asyncio.ensure_future(call.read())
             while True:
-                waits = {read} if prefill is None or not prefill_open else {read, prefill}
-                done, _ = await asyncio.wait(waits, timeout=self.stall_timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                pending_prefill = prefill is not None and prefill_open
+                waits = {read, prefill} if pending_prefill else {read}
+                done, _ = await asyncio.wait(
+                    waits, timeout=None if pending_prefill else self.stall_timeout_s,
+                    return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     raise NodeFailure(dec.node_id, f"no event for {self.stall_timeout_s:.0f} s")
                 if prefill is not None and prefill_open and prefill in done:
@@ -211,7 +246,7 @@ class PdBackend:
                 t = event.tokens
                 finish = finish_from_proto(t.finish_reason)
                 if finish == "abort":
-                    raise _TryOther(dec.node_id, grpc.StatusCode.ABORTED,
+                    raise _TryOther(dec, grpc.StatusCode.ABORTED,
                                     t.stop_reason or "the decode node aborted the request")
                 cached = max(prefill_cached,
                              t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
@@ -236,6 +271,8 @@ class PdBackend:
             # still propagates out of gather).
             await asyncio.gather(*(f for f in (read, prefill) if f is not None),
                                  return_exceptions=True)
+            await self.channels.release(dec.address)
+            await self.channels.release(pre.address)
 
 
 def _stop_reason(value: str, params: SamplingParams) -> int | str | None:
@@ -247,12 +284,6 @@ def _stop_reason(value: str, params: SamplingParams) -> int | str | None:
     return value
 
 
-def _status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code(), exc.details() or exc.code().name
-    return None
-
-
 def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
     """A finished Prefill call: fine, or the reason this attempt ends."""
     if task.cancelled():
@@ -260,13 +291,10 @@ def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
     exc = task.exception()
     if exc is None:
         return
-    status = _status(exc)
-    if status is None:
+    if not isinstance(exc, grpc.aio.AioRpcError):
         raise NodeFailure(pre.node_id, f"prefill call failed: {exc!r}")
-    code, message = status
-    if code in _NODE_DOWN and "decode" not in message.lower():
-        raise NodeFailure(pre.node_id, f"{code.name}: {message}")
-    raise _classify(code, message, dec if "decode" in message.lower() else pre)
+    failure = failure_of(exc, PREFILL)
+    raise _classify(failure, dec if failure.side == DECODE else pre)
 
 
 async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
@@ -274,25 +302,27 @@ async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.
     try:
         return read.result()
     except grpc.aio.AioRpcError as exc:
-        code, message = exc.code(), exc.details() or exc.code().name
-        if code == grpc.StatusCode.ABORTED and prefill is not None:
+        failure = failure_of(exc, DECODE)
+        if failure.code == grpc.StatusCode.ABORTED and failure.side == PREFILL \
+                and prefill is not None:
             # "prefill failed": the Prefill call carries the root cause (bad argument,
             # fingerprint mismatch, a dead prefill node); it may land a moment later.
             if not prefill.done():
                 await asyncio.wait({prefill}, timeout=5.0)
             if prefill.done():
                 _check_prefill(prefill, pre, dec)
-        if code in _NODE_DOWN:
-            raise NodeFailure(dec.node_id, f"{code.name}: {message}") from None
-        raise _classify(code, message, dec) from None
+        raise _classify(failure, pre if failure.side == PREFILL else dec) from None
 
 
-def _classify(code: grpc.StatusCode, message: str, node: NodeState) -> Exception:
+def _classify(failure: RpcFailure, node: NodeState) -> Exception:
+    code, message = failure.code, failure.message
+    if failure.replay:               # the node is fine but will not run this request
+        return _TryOther(node, code, message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(message)
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
-        return _TryOther(node.node_id, code, message)
+        return _TryOther(node, code, message)
     if code in _NODE_DOWN:
         return NodeFailure(node.node_id, f"{code.name}: {message}")
     return RouterError(f"{node.role} node {node.node_id} failed: {code.name}: {message}")

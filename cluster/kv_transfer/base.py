@@ -23,12 +23,14 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 
 class PushFailed(Exception):
-    """The decode node refused or broke the push; `code` is a grpc.StatusCode."""
+    """The decode node refused or broke the push; `code` is a grpc.StatusCode. A push
+    failure is the decode side's (its refusal, or the link to it) unless said otherwise."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, side: str = "decode"):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.side = side
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"

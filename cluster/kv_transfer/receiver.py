@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.mtp_payload import handoff_from_proto
 from cluster.proto_convert import fingerprint_from_proto, logprob_from_proto
-from engine.pd_decode import KvReceiver, PushRejected, UnknownReservation
+from engine.pd_decode import KvReceiver, PushRejected, ReleaseReason, UnknownReservation
 from engine.pd_fingerprint import Fingerprint
-from engine.sequence import Sequence
 from protos import node_pb2
 
 log = logging.getLogger("cluster.kv_transfer")
@@ -31,13 +30,13 @@ WRITTEN = object()
 
 
 class PushHandler:
-    def __init__(self, receiver: KvReceiver, fingerprint: Fingerprint,
-                 on_admitted: Callable[[Sequence], Awaitable[None]] | None = None,
-                 on_failed: Callable[[str, str, PushFailed], Awaitable[None]] | None = None):
+    """A refusal releases the reservation named by the header (PUSH_REFUSED); the
+    receiver's state machine then tells that reservation's own stream, so a forged
+    request id in a header reaches nobody else's request."""
+
+    def __init__(self, receiver: KvReceiver, fingerprint: Fingerprint):
         self.receiver = receiver
         self.fingerprint = fingerprint
-        self.on_admitted = on_admitted   # the sequence joined the running batch
-        self.on_failed = on_failed       # (request_id, reservation_id, error)
 
     async def handle(self, messages: AsyncIterator) -> node_pb2.PushAck:
         """`messages`: KvPushMessage, or (KvPushMessage, chunk bytes) pairs from transports
@@ -77,10 +76,11 @@ class PushHandler:
                         if done.HasField("first_logprob") else None
                     mtp = handoff_from_proto(done.mtp, res.push_block_ids) \
                         if done.HasField("mtp") else None
-                    seq = await asyncio.to_thread(self.receiver.complete, header.reservation_id,
-                                                  done.first_token_id, lp, mtp)
-                    if self.on_admitted is not None:
-                        await self.on_admitted(seq)
+                    admitted = self.receiver.complete(header.reservation_id,
+                                                      done.first_token_id, lp, mtp)
+                    # shielded: once complete() accepted the push, the admission must
+                    # happen even if this call is cancelled (the blocks are the sequence's)
+                    await asyncio.shield(asyncio.wrap_future(admitted))
                     return node_pb2.PushAck(bytes_received=res.bytes_received,
                                             num_chunks=chunks)
                 else:
@@ -107,10 +107,8 @@ class PushHandler:
     async def _fail(self, header, code: grpc.StatusCode, message: str) -> PushFailed:
         err = PushFailed(code, message)
         if header is not None:
-            log.warning("request %s: KV push refused: %s", header.request_id, err)
-            res = self.receiver.release(header.reservation_id, f"push refused: {message}")
-            if res is not None and self.on_failed is not None:
-                await self.on_failed(header.request_id, header.reservation_id, err)
+            log.warning("reservation %s: KV push refused: %s", header.reservation_id, err)
+            self.receiver.release(header.reservation_id, ReleaseReason.PUSH_REFUSED, message)
         else:
             log.warning("KV push refused before its header: %s", err)
         return err

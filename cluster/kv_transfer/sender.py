@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,31 @@ from cluster.kv_transfer.codec import layer_chunk_parts, tensor_bytes, tensor_vi
 from cluster.kv_transfer.mtp_payload import handoff_to_proto
 from cluster.proto_convert import logprob_to_proto
 from protos import node_pb2
+
+
+# What the engine thread hands the event loop, one typed event per callback.
+@dataclass(frozen=True)
+class LayerReady:
+    layer: int
+    dst_block_ids: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+    ready: object | None          # a device event to wait on before reading k, v
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    logprob: dict[int, float] | None
+    mtp: object | None            # engine.pd_mtp.MtpHandoff
+
+
+@dataclass(frozen=True)
+class PushError:
+    error: BaseException
+
+
+PushEvent = LayerReady | FirstToken | PushError
 
 
 class PushSender:
@@ -38,36 +64,34 @@ class PushSender:
         self.token_ready = asyncio.Event()
 
     # ---- engine thread (KvSink) ----------------------------------------------------
-    def _put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def _put(self, event: PushEvent) -> None:
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     def on_layer(self, layer: int, dst_block_ids: list[int], k: torch.Tensor,
                  v: torch.Tensor, ready: object | None) -> None:
-        self._put(("layer", layer, dst_block_ids, k, v, ready))
+        self._put(LayerReady(layer, dst_block_ids, k, v, ready))
 
     def on_first_token(self, token_id: int, logprob: dict[int, float] | None,
                        mtp=None) -> None:
-        self._put(("done", token_id, logprob, mtp))
+        self._put(FirstToken(token_id, logprob, mtp))
 
     def on_error(self, exc: BaseException) -> None:
-        self._put(("error", exc))
+        self._put(PushError(exc))
 
     def cancel(self, exc: BaseException) -> None:
         """From the event loop: end the stream without `done` (the receiver then refuses)."""
-        self._queue.put_nowait(("error", exc))
+        self._queue.put_nowait(PushError(exc))
 
     # ---- event loop ----------------------------------------------------------------
     async def messages(self) -> AsyncIterator:
         yield node_pb2.KvPushMessage(header=self.header)
         while True:
-            item = await self._queue.get()
-            kind = item[0]
-            if kind == "layer":
-                _, layer, dst, k, v, ready = item
-                if ready is not None:
-                    await asyncio.to_thread(ready.synchronize)
-                for meta, part in layer_chunk_parts(layer, dst, k, v, self.dtype,
-                                                    self.chunk_bytes):
+            event: PushEvent = await self._queue.get()
+            if isinstance(event, LayerReady):
+                if event.ready is not None:
+                    await asyncio.to_thread(event.ready.synchronize)
+                for meta, part in layer_chunk_parts(event.layer, event.dst_block_ids, event.k,
+                                                    event.v, self.dtype, self.chunk_bytes):
                     self.num_chunks += 1
                     self.num_bytes += part.numel() * part.element_size()
                     if self.raw_payload:
@@ -75,19 +99,19 @@ class PushSender:
                     else:
                         meta.data = tensor_bytes(part)
                         yield node_pb2.KvPushMessage(chunk=meta)
-                self.blocks_pushed.update(dst)
-            elif kind == "done":
-                _, token, entry, mtp = item
+                self.blocks_pushed.update(event.dst_block_ids)
+            elif isinstance(event, FirstToken):
+                token, entry = event.token_id, event.logprob
                 self.first_token, self.first_logprob = token, entry
                 done = node_pb2.PushDone(first_token_id=token, num_chunks=self.num_chunks)
                 if entry is not None:
                     done.first_logprob.CopyFrom(logprob_to_proto(token, entry))
-                if mtp is not None:     # the decode node's draft starts from it
-                    done.mtp.CopyFrom(handoff_to_proto(mtp, list(self.header.block_ids)))
+                if event.mtp is not None:     # the decode node's draft starts from it
+                    done.mtp.CopyFrom(handoff_to_proto(event.mtp, list(self.header.block_ids)))
                 self.token_ready.set()
                 yield node_pb2.KvPushMessage(done=done)
                 return
             else:
-                self.error = item[1]
+                self.error = event.error
                 self.token_ready.set()
                 return

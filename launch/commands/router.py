@@ -34,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="reject prompts at or over this many tokens (default: the model's)")
     env_argument(p, "--max-attempts", "PDSERVE_MAX_ATTEMPTS", default=4, type=int,
                  help="node pairs tried per request, replays after a node failure included")
+    env_argument(p, "--stall-timeout", "PDSERVE_STALL_TIMEOUT", default=60.0, type=float,
+                 metavar="SECONDS",
+                 help="a decode node that sends nothing for this long (once its prefill is "
+                      "done) is taken as hung: dropped, and the request replayed elsewhere")
     env_argument(p, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write {\"http\": URL, \"grpc\": ADDR} here once serving")
 
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
                               http_listen=args.http, grpc_listen=args.grpc, etcd=args.etcd,
                               cluster=args.cluster, policy=args.policy,
                               max_model_len=args.max_model_len, max_attempts=args.max_attempts,
-                              ready_file=args.ready_file)
+                              stall_timeout_s=args.stall_timeout, ready_file=args.ready_file)
         asyncio.run(serve(config))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

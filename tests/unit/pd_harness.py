@@ -19,16 +19,17 @@ DECODE_ADDRESS = "decode-0"
 
 
 class RpcError(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, metadata=()):
         super().__init__(f"{code.name}: {details}")
         self.code, self.details = code, details
+        self.metadata = dict(metadata)      # the structured trailers (cluster/rpc_status.py)
 
 
 class FakeContext:
     """What the services use of grpc.aio.ServicerContext: abort()."""
 
-    async def abort(self, code: grpc.StatusCode, details: str = ""):
-        raise RpcError(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        raise RpcError(code, details, trailing_metadata)
 
 
 class PdPair:

@@ -156,7 +156,7 @@ def _engine_run(folder, prompts, k, script=None, wrong=False, steps_check=None, 
 def _check_blocks(eng):
     bm = eng.block_manager
     refs = [0] * bm.num_blocks
-    for s in eng.scheduler.running:
+    for s in (s for s in eng.requests.values() if not s.is_finished):  # waiting: no blocks
         assert len(s.block_table) == bm.blocks_needed(s.num_cached_tokens), s
         for b in s.block_table:
             refs[b] += 1

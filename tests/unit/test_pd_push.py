@@ -74,8 +74,8 @@ def test_fingerprint_mismatch_is_refused_naming_the_field(folder):
 def test_push_header_with_wrong_fingerprint_writes_nothing(folder):
     async def body(pair):
         svc = pair.decode.service
-        res = await asyncio.to_thread(pair.decode.receiver.reserve, "r", [5, 6, 7, 8, 9],
-                                      SamplingParams())
+        res = await asyncio.wrap_future(pair.decode.receiver.reserve("r", [5, 6, 7, 8, 9],
+                                                                     SamplingParams()))
         fp = fingerprint_to_proto(pair.decode.fingerprint)
         fp.dtype = "bfloat16"
 

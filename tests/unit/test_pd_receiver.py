@@ -10,7 +10,17 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.kv_cache import gather_blocks
-from engine.pd_decode import KEY, VALUE, CapacityError, KvReceiver, PushRejected, UnknownReservation
+from engine.pd_decode import (
+    KEY,
+    VALUE,
+    CapacityError,
+    Draining,
+    KvReceiver,
+    PushRejected,
+    ReleaseReason,
+    ReservationState,
+    UnknownReservation,
+)
 from tests.tiny_models import make_tiny_model
 
 BS = 4
@@ -26,6 +36,11 @@ def rx(folder):
     eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=BS,
                                  num_gpu_blocks=32, max_num_seqs=3))
     return KvReceiver(eng, default_lease_s=30.0)
+
+
+def _reserve(rx: KvReceiver, rid: str, prompt: list[int], params, **kw):
+    # no engine loop attached: the engine applies commands at once, futures are done
+    return rx.reserve(rid, prompt, params, **kw).result(timeout=0)
 
 
 def _greedy(n=4):
@@ -59,29 +74,29 @@ def test_reserve_gives_blocks_for_the_prompt_and_skips_cached_prefix(rx):
     bm = rx.engine.block_manager
     free0 = bm.num_free_blocks
     prompt = list(range(10, 19))                       # 9 tokens -> 3 blocks of 4
-    res = rx.reserve("a", prompt, _greedy())
+    res = _reserve(rx, "a", prompt, _greedy())
     assert len(res.block_ids) == 3 and res.num_cached_blocks == 0
     assert bm.num_free_blocks == free0 - 3
     _fill_all(rx, res.reservation_id)
-    seq = rx.complete(res.reservation_id, 7)
-    assert seq.output_token_ids == [7] and seq in rx.engine.scheduler.running
-    assert seq.num_cached_tokens == 9
+    seq = rx.complete(res.reservation_id, 7).result(timeout=0)
+    assert seq.output_token_ids == [7] and "a" in rx.engine.requests
+    assert seq.num_cached_tokens == 9 and rx.engine.has_unfinished()
+    assert [o.token_ids for o in rx.engine.take_outputs([])] == [[7]]   # admission
     while rx.engine.has_unfinished():
-        rx.engine.step()
-    rx.engine.release("a")
+        rx.engine.run_once()
     assert bm.num_free_blocks == free0
     # the same 8-token prefix is now in this node's prefix cache: 2 blocks are skipped
-    res2 = rx.reserve("b", prompt[:8] + [99, 98], _greedy())
+    res2 = _reserve(rx, "b", prompt[:8] + [99, 98], _greedy())
     assert res2.num_cached_blocks == 2 and len(res2.block_ids) == 3
     assert res2.push_block_ids == res2.block_ids[2:]
-    rx.release(res2.reservation_id, "test")
+    rx.release(res2.reservation_id, ReleaseReason.CALLER_CANCELLED)
     assert bm.num_free_blocks == free0
 
 
 @pytest.mark.parametrize("bad", ["unknown", "layer", "kind", "dtype", "shape", "bytes",
                                  "stray_block", "duplicate_block"])
 def test_bad_chunk_is_refused_and_writes_nothing(rx, bad):
-    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
     t = _chunk(rx, len(ids), 5.0)
     args = dict(reservation_id=res.reservation_id, layer=0, kind=KEY, block_ids=ids,
@@ -113,7 +128,7 @@ def test_bad_chunk_is_refused_and_writes_nothing(rx, bad):
 def test_incomplete_push_is_refused_and_releases_blocks(rx):
     bm = rx.engine.block_manager
     free0 = bm.num_free_blocks
-    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
     t = _chunk(rx, len(ids))
     rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
@@ -124,7 +139,7 @@ def test_incomplete_push_is_refused_and_releases_blocks(rx):
 
 
 def test_written_bytes_land_in_the_reserved_blocks(rx):
-    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
     t = torch.randn(len(ids), *rx.engine.kv_cache.block_shape)
     rx.write(res.reservation_id, 1, VALUE, ids, list(t.shape), "float32", _bytes(t))
@@ -134,7 +149,7 @@ def test_written_bytes_land_in_the_reserved_blocks(rx):
 def test_lease_expiry_returns_blocks(rx):
     bm = rx.engine.block_manager
     free0 = bm.num_free_blocks
-    res = rx.reserve("a", list(range(10, 30)), _greedy(), lease_s=5.0)
+    res = _reserve(rx, "a", list(range(10, 30)), _greedy(), lease_s=5.0)
     assert rx.expire(now=res.deadline - 1.0) == []
     assert bm.num_free_blocks == free0 - 5
     assert [r.request_id for r in rx.expire(now=res.deadline + 0.01)] == ["a"]
@@ -145,23 +160,68 @@ def test_lease_expiry_returns_blocks(rx):
 
 def test_full_and_too_long_are_refused(rx):
     for i in range(3):
-        rx.reserve(f"r{i}", [5, 6, 7], _greedy())
+        _reserve(rx, f"r{i}", [5, 6, 7], _greedy())
     with pytest.raises(CapacityError, match="full"):
-        rx.reserve("r3", [5, 6, 7], _greedy())
+        _reserve(rx, "r3", [5, 6, 7], _greedy())
     for res in list(rx.reservations.values()):
-        rx.release(res.reservation_id, "test")
+        rx.release(res.reservation_id, ReleaseReason.CALLER_CANCELLED)
     with pytest.raises(ValueError, match="needs 40 KV blocks"):
-        rx.reserve("long", list(range(3, 163)), _greedy())
+        _reserve(rx, "long", list(range(3, 163)), _greedy())
     with pytest.raises(ValueError, match="empty"):
-        rx.reserve("empty", [], _greedy())
+        _reserve(rx, "empty", [], _greedy())
     assert rx.engine.block_manager.num_free_blocks == 31
 
 
 def test_first_token_that_stops_finishes_at_admission(rx):
     bm = rx.engine.block_manager
     free0 = bm.num_free_blocks
-    res = rx.reserve("a", list(range(10, 19)), _greedy())
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     _fill_all(rx, res.reservation_id)
-    seq = rx.complete(res.reservation_id, 2)          # 2 is the tiny model's EOS
+    seq = rx.complete(res.reservation_id, 2).result(timeout=0)   # 2: the tiny model's EOS
     assert seq.is_finished and seq.finish_reason == "stop"
     assert bm.num_free_blocks == free0
+
+
+def test_reservation_states_move_only_forward_and_are_counted(rx):
+    released = []
+    rx.on_release = released.append
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
+    assert res.state is ReservationState.RESERVED
+    ids = res.push_block_ids
+    t = _chunk(rx, len(ids))
+    rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
+    assert res.state is ReservationState.RECEIVING
+    _fill_all(rx, res.reservation_id)
+    rx.complete(res.reservation_id, 7).result(timeout=0)
+    assert res.state is ReservationState.ADMITTED
+    # admitted: the blocks are the sequence's, a late release does nothing
+    assert rx.release(res.reservation_id, ReleaseReason.LEASE_EXPIRED) is None
+    b = _reserve(rx, "b", [5, 6, 7], _greedy())
+    assert rx.release(b.reservation_id, ReleaseReason.PREFILL_FAILED, "boom") is b
+    assert rx.release(b.reservation_id, ReleaseReason.LEASE_EXPIRED) is None   # once only
+    assert b.state is ReservationState.RELEASED
+    assert (b.release_reason, b.detail) == (ReleaseReason.PREFILL_FAILED, "boom")
+    assert released == [b]
+    assert rx.transitions == {("reserved", ""): 2, ("receiving", ""): 1, ("admitted", ""): 1,
+                              ("released", "prefill failed"): 1}
+
+
+def test_drain_releases_unstarted_reservations_and_refuses_new_ones(rx):
+    bm = rx.engine.block_manager
+    free0 = bm.num_free_blocks
+    released = []
+    rx.on_release = released.append
+    idle = _reserve(rx, "idle", [5, 6, 7, 8, 9], _greedy())
+    busy = _reserve(rx, "busy", list(range(10, 19)), _greedy())
+    ids = busy.push_block_ids
+    t = _chunk(rx, len(ids))
+    rx.write(busy.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
+    assert rx.drain("decode node is draining") == [idle]
+    assert released == [idle] and idle.release_reason is ReleaseReason.DRAINING
+    with pytest.raises(Draining, match="draining"):
+        _reserve(rx, "late", [5, 6, 7], _greedy())
+    # the push that had begun still completes and is admitted
+    _fill_all(rx, busy.reservation_id)
+    seq = rx.complete(busy.reservation_id, 7).result(timeout=0)
+    assert busy.state is ReservationState.ADMITTED and not seq.is_finished
+    assert bm.num_free_blocks == free0 - len(busy.block_ids)
