@@ -5,6 +5,7 @@ each request's PrefillReply (pushed bytes and blocks) for the tests to check."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -13,10 +14,8 @@ import grpc
 from engine.sampling_params import SamplingParams
 from protos import node_pb2
 from router.backend import NodeRequest
+from router.pd_backend import ChannelCache
 from router.static_pool import static_backend
-
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
 
 
 @dataclass
@@ -30,29 +29,21 @@ class PdResult:
     total_s: float = 0.0
 
 
-class _PrefillReplies(grpc.aio.UnaryUnaryClientInterceptor):
-    """Keeps every successful PrefillNode.Prefill reply by request id, without touching the
-    call the backend awaits (read in a done callback)."""
+class _PrefillReplies:
+    """Keeps every successful PrefillNode.Prefill reply by request id, read in a done
+    callback, so the call the backend awaits is left as it is."""
 
     def __init__(self) -> None:
         self.replies: dict[str, node_pb2.PrefillReply] = {}
         self._pending: set[asyncio.Task] = set()
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        call = await continuation(client_call_details, request)
-        method = client_call_details.method
-        if isinstance(method, bytes):
-            method = method.decode()
-        if method.endswith("/Prefill"):
-            call.add_done_callback(lambda c: self._keep(request.request_id, c))
-        return call
+    def watch(self, request_id: str, call) -> None:
+        call.add_done_callback(lambda c: self._keep(request_id, c))
 
     def _keep(self, request_id: str, call) -> None:
         async def read():
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
                 self.replies[request_id] = await call
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
-                pass
         task = asyncio.ensure_future(read())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -62,27 +53,42 @@ class _PrefillReplies(grpc.aio.UnaryUnaryClientInterceptor):
             await asyncio.gather(*self._pending, return_exceptions=True)
 
 
-class _RecordingChannels:
-    """PdBackend's channel cache (get / drop / close), with the recorder on every channel."""
+class _Prefill:
+    """A unary-unary multicallable whose calls the recorder watches."""
+
+    def __init__(self, inner, recorder: _PrefillReplies) -> None:
+        self.inner, self.recorder = inner, recorder
+
+    def __call__(self, request, *args, **kwargs):
+        call = self.inner(request, *args, **kwargs)
+        self.recorder.watch(request.request_id, call)
+        return call
+
+
+class _Channel:
+    """A grpc.aio channel whose PrefillNode.Prefill calls are recorded; all else as is."""
+
+    def __init__(self, inner: grpc.aio.Channel, recorder: _PrefillReplies) -> None:
+        self._inner, self._recorder = inner, recorder
+
+    def unary_unary(self, method, *args, **kwargs):
+        mc = self._inner.unary_unary(method, *args, **kwargs)
+        name = method.decode() if isinstance(method, bytes) else method
+        return _Prefill(mc, self._recorder) if name.endswith("/Prefill") else mc
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _RecordingChannels(ChannelCache):
+    """The backend's own channel cache; every channel it hands out records Prefill replies."""
 
     def __init__(self, recorder: _PrefillReplies) -> None:
+        super().__init__()
         self.recorder = recorder
-        self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(
-                address, options=_CHANNEL_OPTIONS, interceptors=[self.recorder])
-        return self._channels[address]
-
-    async def drop(self, address: str) -> None:
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            await ch.close(grace=None)
-
-    async def close(self) -> None:
-        for address in list(self._channels):
-            await self.drop(address)
+    def get(self, address: str):
+        return _Channel(super().get(address), self.recorder)
 
 
 async def _one(backend, request: NodeRequest) -> PdResult:
