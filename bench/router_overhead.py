@@ -67,7 +67,7 @@ async def run_http(session, url, model, prompt, max_tokens) -> Trace:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
+        assert resp.reason == "OK", await resp.text()
         async for line in resp.content:
             line = line.strip()
             if line.startswith(b"data: {"):

@@ -56,3 +56,7 @@ class EngineLoop:
                 self.outbox(outputs)
             if not eng.has_work():
                 self._wake.wait(IDLE_WAIT_S)
+        # what was submitted before the stop still happens (blocks freed, aborts applied)
+        outputs = eng.settle()
+        if outputs and self.outbox is not None:
+            self.outbox(outputs)

@@ -47,7 +47,13 @@ class StreamTable:
 
     def deliver(self, outputs: list[EngineOutput]) -> None:
         """The engine loop's outbox (engine thread)."""
-        self._loop.call_soon_threadsafe(self._deliver, outputs)
+        self._post(self._deliver, outputs)
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:      # the event loop is gone (shutdown): nobody to tell
+            pass
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
@@ -59,7 +65,7 @@ class StreamTable:
 
     def fail(self, request_id: str, failure: RpcFailure) -> None:
         """End a stream with an error (any thread)."""
-        self._loop.call_soon_threadsafe(self._fail, request_id, failure)
+        self._post(self._fail, request_id, failure)
 
     def _fail(self, request_id: str, failure: RpcFailure) -> None:
         stream = self.streams.get(request_id)

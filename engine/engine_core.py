@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 import torch
 
@@ -34,6 +33,7 @@ from engine.commands import (
 )
 from engine.config import EngineConfig
 from engine.device import Device
+from engine.dtype import resolve_dtype
 from engine.executor.graph_buckets import GraphOptions
 from engine.executor.graph_stats import executor_stats
 from engine.input_builder import BatchInputBuilder
@@ -43,42 +43,13 @@ from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import load_tokenizer
 from engine.worker import Worker
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_native_bf16() -> bool:
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
-
-
-def resolve_dtype(requested: str, model_dtype: str | None, device: Device) -> torch.dtype:
-    """`auto` takes the folder's dtype, except on a CPU that lacks native half-precision
-    matmuls (AVX2 only), where float32 is several times faster than emulated bf16/fp16."""
-    if requested != "auto":
-        return _DTYPES[requested]
-    dtype = _DTYPES.get(str(model_dtype).replace("torch.", ""), torch.float32)
-    if device.is_cpu and dtype is not torch.float32:
-        if not cpu_has_native_bf16():
-            log.info("dtype auto: this CPU has no native bf16 (%s); computing in float32",
-                     torch.backends.cpu.get_cpu_capability())
-            return torch.float32
-        return torch.bfloat16        # fp16 matmuls are very slow on CPUs
-    return dtype
-
-
 LOAD_HASHES_EVERY_S = 0.5      # the published prefix hashes need not be fresher
 MAX_PUBLISHED_HASHES = 4096
-
-
-def load_tokenizer(model_dir: str):
-    """The model folder's tokenizer, or None without tokenizer.json."""
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        return None
-    from engine.tokenizer import Tokenizer
-    return Tokenizer(model_dir)
 
 
 class LLMEngine:
@@ -241,6 +212,13 @@ class LLMEngine:
         self.apply_commands()
         grew = self.step() if self.scheduler.has_unfinished() else []
         outputs = self.take_outputs(grew)
+        self._refresh_load()
+        return outputs
+
+    def settle(self) -> list[EngineOutput]:
+        """Apply the commands that arrived, without a step (a loop's last act)."""
+        self.apply_commands()
+        outputs = self.take_outputs([])
         self._refresh_load()
         return outputs
 

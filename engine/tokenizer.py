@@ -122,3 +122,10 @@ class IncrementalDetokenizer:
             return None
         self.text = self.text[:best[0]]
         return best[1]
+
+
+def load_tokenizer(model_dir: str):
+    """The model folder's tokenizer, or None without tokenizer.json."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    return Tokenizer(model_dir)

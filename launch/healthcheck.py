@@ -84,7 +84,7 @@ def target_from_argv(argv: Sequence[str]) -> HealthTarget:
 def check_http(address: str, timeout: float) -> tuple[bool, str]:
     try:
         with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as reply:
-            return reply.status == 200, f"HTTP {reply.status}"
+            return reply.getcode() == 200, f"HTTP {reply.getcode()}"
     except urllib.error.HTTPError as exc:
         return False, f"HTTP {exc.code}"
     except (urllib.error.URLError, OSError) as exc:
@@ -102,7 +102,7 @@ def check_grpc(address: str, timeout: float) -> tuple[bool, str]:
         except grpc.RpcError as exc:
             return False, f"gRPC {exc.code().name}"
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING, name
+    return name == "SERVING", name
 
 
 CHECKS = {"http": check_http, "grpc": check_grpc}

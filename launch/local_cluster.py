@@ -157,7 +157,7 @@ class LocalCluster:
         while True:
             try:
                 with urllib.request.urlopen(f"{http_url}/health", timeout=2) as resp:
-                    if resp.status == 200:
+                    if resp.getcode() == 200:
                         return
             except OSError:
                 pass

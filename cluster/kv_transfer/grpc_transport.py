@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster.kv_transfer.base import GRPC_OPTIONS, KvTransport, PushFailed
+from cluster.rpc_status import DECODE, failure_of
 from protos import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("cluster.kv_transfer")
@@ -29,7 +30,8 @@ class GrpcTransport(KvTransport):
         try:
             return await self._stub(address).PushKv(messages, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
-            raise PushFailed(exc.code(), exc.details() or str(exc.code())) from None
+            failure = failure_of(exc, DECODE)
+            raise PushFailed(failure.code, failure.message, failure.side) from None
 
     async def abort_reservation(self, address: str, request: node_pb2.AbortRequest) -> bool:
         try:

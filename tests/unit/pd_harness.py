@@ -64,8 +64,8 @@ class PdPair:
         await self.decode.stop()
 
     def free_blocks(self) -> tuple[int, int]:
-        return (self.prefill.engine.block_manager.num_free_blocks,
-                self.decode.engine.block_manager.num_free_blocks)
+        return (self.prefill.engine.load().free_blocks,
+                self.decode.engine.load().free_blocks)
 
     async def generate(self, rid: str, prompt: list[int], params, lease_ms: int = 0,
                        prefill_tamper=None):

@@ -79,7 +79,7 @@ def _pd(folder, prompts, concurrent: bool, drop_payload: bool = False,
     async def main():
         pair = PdPair(folder, prefill_opts, decode_opts, tcp=tcp)
         if drop_payload:      # a prefill node that sends no MTP payload
-            pair.prefill.engine.mtp.take = lambda seq, src: None
+            pair.prefill.engine.connector.mtp.take = lambda seq, src: None
         seen = record_proposals(pair.decode.engine) \
             if decode_opts.get("speculative_method") else {}
         pair.start()

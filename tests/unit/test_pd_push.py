@@ -135,7 +135,7 @@ def test_broken_push_is_ended_by_the_lease(folder):
             await asyncio.Event().wait()
         push = asyncio.ensure_future(pair.transport.push(DECODE_ADDRESS, messages()))
         await stalled.wait()
-        assert pair.decode.engine.block_manager.num_free_blocks < 95
+        assert pair.decode.engine.load().free_blocks < 95
         with pytest.raises(RpcError) as info:
             await asyncio.wait_for(anext(stream), 5)
         assert info.value.code == grpc.StatusCode.ABORTED and "lease expired" in info.value.details

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from cluster.discovery import MemoryRegistry, MemoryStore, NodeLoad, NodeRecord
+from cluster.rpc_status import DECODE, PREFILL, RpcFailure
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, node_pb2, node_pb2_grpc
 from router.backend import NodeRequest
@@ -33,6 +34,7 @@ class Shared:
         self.reserve_requests: list = []
         self.cancelled: list[str] = []
         self.prefill_failed: set[str] = set()
+        self.decodes: list[FakeDecode] = []
 
     def event(self, rid: str) -> asyncio.Event:
         return self.prefilled.setdefault(rid, asyncio.Event())
@@ -43,9 +45,14 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
                  hang_after: int | None = None):
         self.shared, self.die_after, self.full = shared, die_after, full
         self.hang_after = hang_after
+        self.draining = False
+        shared.decodes.append(self)
 
     async def Decode(self, request, context):
         self.shared.reserve_requests.append((context, request))
+        if self.draining:       # as a real decode node says it: healthy, go elsewhere
+            await RpcFailure(grpc.StatusCode.UNAVAILABLE, "decode node is draining", DECODE,
+                             replay=True).abort(context)
         if self.full:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
         yield node_pb2.DecodeEvent(reservation=node_pb2.Reservation(
@@ -56,7 +63,8 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         try:
             await self.shared.event(request.request_id).wait()
             if request.request_id in self.shared.prefill_failed:
-                await context.abort(grpc.StatusCode.ABORTED, "prefill failed: see the prefill")
+                await RpcFailure(grpc.StatusCode.ABORTED, "prefill failed: see the prefill",
+                                 PREFILL).abort(context)
             for i in range(max_tokens):
                 if self.die_after is not None and i == self.die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
@@ -305,3 +313,35 @@ def test_discovery_feed_adds_updates_and_removes_nodes():
     assert seen == [("decode-a", 4)]
     assert loaded == (2, 1, 9, frozenset({7, 8}))
     assert after == []
+
+
+def test_a_draining_decode_node_sends_new_requests_elsewhere_and_keeps_its_streams():
+    """The refusal of a draining node (UNAVAILABLE + replay hint) must neither mark it
+    failed nor close its channel: closing a grpc.aio channel cancels every stream on it."""
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}, {}], [{}])
+        long_run = asyncio.create_task(_collect(backend, "a", PROMPT, 60))   # on decode-0
+        while not any(r.request_id == "a" for r in shared.prefill_requests):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)                      # a few tokens of "a" have streamed
+        shared.decodes[0].draining = True
+        b, c = await asyncio.gather(_collect(backend, "b", PROMPT[:3], 5),    # decode-1
+                                    _collect(backend, "c", PROMPT[:4], 5))    # decode-0
+        a = await long_run
+        live = [n.node_id for n in pool.nodes("decode")]
+        failures = backend.metrics.node_failures.labels("decode")._value.get()
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, a[0], b[0], c[0], live, failures
+
+    shared, a, b, c, live, failures = _run(main())
+    # "a" streamed to its end on the draining node: never cut, so never replayed
+    assert a == _expected(PROMPT, 60)
+    assert [r.request_id for _, r in shared.reserve_requests if r.request_id[0] == "a"] == ["a"]
+    assert b == _expected(PROMPT[:3], 5) and c == _expected(PROMPT[:4], 5)
+    # "c" was refused by decode-0 and ran on decode-1 under its second id
+    assert [r.request_id for _, r in shared.reserve_requests if r.request_id[0] == "c"] == [
+        "c", "c.r1"]
+    assert live == ["decode-0", "decode-1"] and failures == 0
