@@ -104,7 +104,7 @@ class ChannelCache:
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
                  max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
-                 stall_timeout_s: float = 60.0):
+                 stall_timeout_s: float = 60.0, queue_timeout_s: float = 30.0):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.max_model_len = max_model_len
         # A decode node that sends nothing for this long, while no prefill is pending for
@@ -113,6 +113,9 @@ class PdBackend:
         # is bounded by the reservation's lease instead, which the decode node enforces.
         self.stall_timeout_s = stall_timeout_s
         self.lease_ms = lease_ms
+        # When every decode node is full, a request waits up to this long for capacity
+        # (retrying with backoff) before the client gets 429.
+        self.queue_timeout_s = queue_timeout_s
         self.max_attempts = max_attempts
         self.channels = ChannelCache()
 
@@ -142,7 +145,11 @@ class PdBackend:
         exclude: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         full: set[str] = set()           # decode nodes that said RESOURCE_EXHAUSTED
         refusals: list[str] = []
-        attempt = 0
+        attempt = 0                      # failures and refusals other than "full"
+        tries = 0                        # every call made (names the request on the nodes)
+        loop = asyncio.get_running_loop()
+        queued_until = loop.time() + self.queue_timeout_s
+        backoff = 0.05
         while True:
             prompt = request.prompt_token_ids + streamed
             if len(prompt) >= self.max_model_len:     # only reachable after a replay
@@ -152,16 +159,25 @@ class PdBackend:
             if streamed:
                 params = dataclasses.replace(params,
                                              max_tokens=params.max_tokens - len(streamed))
-            rid = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+            rid = request.request_id if tries == 0 else f"{request.request_id}.r{tries}"
+            tries += 1
             routing = RoutingRequest(rid, prompt)
             try:
                 pre = self._pick("prefill", routing, exclude["prefill"])
                 dec = self._pick("decode", routing, exclude["decode"])
             except NoNodeAvailable as exc:
+                if full and loop.time() < queued_until:
+                    # every node that could serve is full: wait for capacity (a queue,
+                    # not a refusal), then ask the full nodes again
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 0.5)
+                    exclude["decode"] -= full
+                    full.clear()
+                    continue
                 if full:
                     raise Overloaded(f"every node that could serve is full ({len(full)} "
-                                     f"tried: {', '.join(sorted(full))}); retry later"
-                                     ) from None
+                                     f"tried: {', '.join(sorted(full))}) for "
+                                     f"{self.queue_timeout_s:g} s; retry later") from None
                 if refusals:
                     raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
                                           ) from None
@@ -169,7 +185,7 @@ class PdBackend:
             try:
                 async with contextlib.aclosing(self._attempt(
                         pre, dec, rid, prompt, params, request.params,
-                        first_attempt=attempt == 0)) as steps:
+                        first_attempt=not streamed)) as steps:
                     async for step in steps:
                         streamed.extend(step.token_ids)
                         yield step
@@ -183,15 +199,14 @@ class PdBackend:
             except _TryOther as t:
                 role = t.role
                 exclude[role].add(t.node_id)
-                if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    full.add(t.node_id)
                 refusals.append(f"{t.node_id}: {t.message}")
                 log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
                          t.node_id, t.code.name, t.message)
+                if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full.add(t.node_id)
+                    continue             # bounded by the queue timeout, not by attempts
             attempt += 1
             if attempt >= self.max_attempts:
-                if full and len(full) == len(refusals):
-                    raise Overloaded(f"every node tried is full; last: {refusals[-1]}")
                 raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
                                       f"{refusals[-1] if refusals else 'node failure'}")
             if streamed:

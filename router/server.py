@@ -28,6 +28,7 @@ class RouterConfig:
     lease_ms: int = 30_000                      # decode-side reservation lease
     max_attempts: int = 4                       # pairs tried per request (replays included)
     stall_timeout_s: float = 60.0               # silent decode node (prefill done) -> replay
+    queue_timeout_s: float = 30.0               # every decode node full: wait, then 429
     ready_file: str | None = None               # JSON {"http": url, "grpc": addr} once serving
     drain_timeout: float = 30.0
 
@@ -43,6 +44,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be HOST:PORT, got {getattr(self, name)!r}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not self.queue_timeout_s >= 0:
+            raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.lease_ms < 1000:
@@ -69,7 +72,8 @@ class Router:
         self.backend = PdBackend(self.pool, make_policy(config.policy), self.metrics,
                                  max_model_len=self.info.max_model_len,
                                  lease_ms=config.lease_ms, max_attempts=config.max_attempts,
-                                 stall_timeout_s=config.stall_timeout_s)
+                                 stall_timeout_s=config.stall_timeout_s,
+                                 queue_timeout_s=config.queue_timeout_s)
         self.service = RouterService(self.info, load_tokenizer(self.info), self.backend,
                                      self.metrics)
         if registry is None:

@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  metavar="SECONDS",
                  help="a decode node that sends nothing for this long (once its prefill is "
                       "done) is taken as hung: dropped, and the request replayed elsewhere")
+    env_argument(p, "--queue-timeout", "PDSERVE_QUEUE_TIMEOUT", default=30.0, type=float,
+                 metavar="SECONDS",
+                 help="when every decode node is full, a request waits this long for room "
+                      "(retrying with backoff) before it is answered 429")
     env_argument(p, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write {\"http\": URL, \"grpc\": ADDR} here once serving")
 
@@ -56,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                               http_listen=args.http, grpc_listen=args.grpc, etcd=args.etcd,
                               cluster=args.cluster, policy=args.policy,
                               max_model_len=args.max_model_len, max_attempts=args.max_attempts,
-                              stall_timeout_s=args.stall_timeout, ready_file=args.ready_file)
+                              stall_timeout_s=args.stall_timeout,
+                              queue_timeout_s=args.queue_timeout, ready_file=args.ready_file)
         asyncio.run(serve(config))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

@@ -249,6 +249,7 @@ def test_every_decode_node_full_is_overloaded_and_no_nodes_is_unavailable():
     async def main():
         shared = Shared()
         _, backend, servers = await _cluster(shared, [{"full": True}, {"full": True}], [{}])
+        backend.queue_timeout_s = 0             # no waiting for room: 429 at once
         with pytest.raises(Overloaded, match="full"):
             await _collect(backend, "r4", PROMPT, 4)
         for s in servers:
@@ -263,6 +264,29 @@ def test_every_decode_node_full_is_overloaded_and_no_nodes_is_unavailable():
     shared = _run(main())
     assert len(shared.reserve_requests) == 2       # each full node tried once
     assert shared.prefill_requests == []
+
+
+def test_a_request_waits_for_room_when_every_decode_node_is_full():
+    async def main():
+        shared = Shared()
+        _, backend, servers = await _cluster(shared, [{"full": True}, {"full": True}], [{}])
+        backend.queue_timeout_s = 10
+
+        async def free_one_later():
+            while len(shared.reserve_requests) < 4:      # both refused, twice over
+                await asyncio.sleep(0.01)
+            shared.decodes[1].full = False
+        freer = asyncio.create_task(free_one_later())
+        tokens, _ = await _collect(backend, "r9", PROMPT, 4)
+        await freer
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens
+
+    shared, tokens = _run(main())
+    assert tokens == _expected(PROMPT, 4)
+    assert len(shared.reserve_requests) >= 5 and len(shared.prefill_requests) == 1
 
 
 def test_closing_the_stream_early_cancels_the_decode_call():
