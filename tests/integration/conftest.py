@@ -1,5 +1,7 @@
-"""Integration fixtures: a real etcd on 127.0.0.1 (random ports, stopped by PID) and helpers
-to start pdserve node processes and stop them with SIGTERM."""
+"""Integration fixtures: a real etcd on 127.0.0.1 (random ports, stopped by PID), helpers
+to start pdserve node processes and stop them with SIGTERM, and the router tests' tiny
+model folder (`folder`) with its single-node reference LLM (`llm`), once per module (a
+module may define its own)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,21 @@ import pytest
 from launch.etcd_server import EtcdServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tests.integration.router_harness import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    from engine import LLM
+    from tests.integration.router_harness import ENGINE
+
+    return LLM(folder, **ENGINE)
 
 
 @pytest.fixture

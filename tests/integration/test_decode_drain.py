@@ -26,7 +26,6 @@ import threading
 import pytest
 
 from tests.integration.router_harness import (
-    ENGINE,
     MODEL,
     Req,
     metric_values,
@@ -34,25 +33,12 @@ from tests.integration.router_harness import (
     run_batch,
     scrape,
     start_cluster,
-    tiny_model_folder,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(400)
 
 NUM_STREAMS = 32
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    from engine import LLM
-
-    return LLM(folder, **ENGINE)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import pytest
 
 from protos import api_pb2, api_pb2_grpc
 from tests.integration.router_harness import (
-    ENGINE,
     MODEL,
     NUM_BLOCKS,
     Req,
@@ -32,23 +31,10 @@ from tests.integration.router_harness import (
     run_batch,
     scrape,
     start_cluster,
-    tiny_model_folder,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    from engine import LLM
-
-    return LLM(folder, **ENGINE)
 
 
 @pytest.fixture(scope="module")

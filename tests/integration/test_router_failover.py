@@ -21,7 +21,6 @@ import pytest
 from aiohttp import ClientSession
 
 from tests.integration.router_harness import (
-    ENGINE,
     LEASE_TTL,
     MODEL,
     Req,
@@ -31,23 +30,10 @@ from tests.integration.router_harness import (
     run_batch,
     scrape,
     start_cluster,
-    tiny_model_folder,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(400)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_model_folder(tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    from engine import LLM
-
-    return LLM(folder, **ENGINE)
 
 
 @pytest.fixture(scope="module")
