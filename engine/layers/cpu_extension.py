@@ -21,6 +21,8 @@ import os
 import shutil
 import sysconfig
 import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -51,13 +53,14 @@ class CpuExtension:
             if self.module is not None or self.failed is not None:
                 return self.module
             _find_ninja()
+            cap = torch.backends.cpu.get_cpu_capability().lower()
+            _clear_stale_lock(f"{self.name}_{cap}")
             try:
                 from torch.utils.cpp_extension import load_inline
 
                 log.info("%s: building it, or loading the cached build", self.what)
                 # -march=native: the build is for this CPU; its capability is in the name
                 # so a cache shared between different CPUs never loads a foreign build
-                cap = torch.backends.cpu.get_cpu_capability().lower()
                 self.module = load_inline(
                     name=f"{self.name}_{cap}", cpp_sources=[self.source],
                     functions=self.functions,
@@ -74,6 +77,24 @@ class CpuExtension:
         """Forget the build and any failure (tests switch a kernel off and on again)."""
         with self._lock:
             self.module, self.failed = None, None
+
+
+# torch's build lock (a FileBaton: an empty file, waited on with no timeout) outlives a
+# process killed while holding it, e.g. a node SIGKILLed during start-up; every later
+# process on the machine would then wait forever. No build takes this long.
+STALE_LOCK_S = 300.0
+
+
+def _clear_stale_lock(name: str) -> None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (ImportError, OSError):
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock %s (%.0f s old; its holder died)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _find_ninja() -> None:
