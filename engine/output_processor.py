@@ -49,6 +49,9 @@ class OutputProcessor:
         if not new and not seq.is_finished:
             return None
         text = self.text(seq)
+        if not seq.is_finished and seq.params.stop:
+            # hold back what a stop string completed later could still cut away
+            text = text[:max(0, len(text) - max(len(x) for x in seq.params.stop) + 1)]
         lps = []
         if seq.params.logprobs is not None:
             lps = [seq.logprobs[i] for i in range(sent_tokens, len(out))
