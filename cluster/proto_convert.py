@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.commands import EngineOutput
+from engine.logprobs import TokenLogprob
 from engine.pd_fingerprint import Fingerprint
 from engine.sampling_params import SamplingParams
 from protos import common_pb2, node_pb2
@@ -70,24 +71,21 @@ def fingerprint_from_proto(msg: node_pb2.Fingerprint) -> Fingerprint:
                        mtp_num_draft_layers=msg.mtp.num_draft_layers)
 
 
-def logprob_to_proto(token_id: int, entry: dict[int, float]) -> common_pb2.TokenLogprob:
-    """entry: {sampled token: logprob, then the top-k alternatives (descending)}."""
-    top = [common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.items()]
-    return common_pb2.TokenLogprob(token_id=token_id, logprob=entry[token_id], top=top)
+def logprob_to_proto(entry: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=entry.token_id, logprob=entry.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top])
 
 
-def logprob_from_proto(msg: common_pb2.TokenLogprob) -> dict[int, float]:
-    entry = {msg.token_id: msg.logprob}
-    for t in msg.top:
-        entry.setdefault(t.token_id, t.logprob)
-    return entry
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob,
+                        tuple((t.token_id, t.logprob) for t in msg.top))
 
 
 def token_event(out: EngineOutput) -> node_pb2.TokenEvent:
     """What a request gained (an engine output) as the decode node streams it."""
     event = node_pb2.TokenEvent(token_ids=out.token_ids, text_delta=out.text)
-    for tok, entry in zip(out.token_ids, out.logprobs, strict=False):
-        event.logprobs.append(logprob_to_proto(tok, entry))
+    event.logprobs.extend(logprob_to_proto(entry) for entry in out.logprobs)
     if out.finished:
         event.finish_reason = FINISH_REASONS.get(out.finish_reason,
                                                  common_pb2.FINISH_REASON_ABORT)
@@ -99,14 +97,9 @@ def token_event(out: EngineOutput) -> node_pb2.TokenEvent:
     return event
 
 
-def logprobs_from_proto(entries) -> list[list[tuple[int, float]]]:
-    """The public API's shape: per token, (sampled id, logprob) then the alternatives."""
-    return [[(e.token_id, e.logprob)] + [(t.token_id, t.logprob) for t in e.top]
-            for e in entries]
+def logprobs_from_proto(entries) -> list[TokenLogprob]:
+    return [logprob_from_proto(e) for e in entries]
 
 
-def logprobs_to_proto(entries) -> list[common_pb2.TokenLogprob]:
-    return [common_pb2.TokenLogprob(
-        token_id=e[0][0], logprob=e[0][1],
-        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in e[1:]])
-        for e in entries]
+def logprobs_to_proto(entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [logprob_to_proto(e) for e in entries]

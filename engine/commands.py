@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -70,7 +71,7 @@ class AdmitPrefilled:
     the first token (and its logprobs) sampled by the prefill node, and the MTP handoff."""
     seq: Any
     first_token: int
-    first_logprob: dict[int, float] | None = None
+    first_logprob: TokenLogprob | None = None
     mtp: Any = None           # engine.pd_mtp.MtpHandoff
     push_block_ids: tuple[int, ...] = ()
 
@@ -82,13 +83,13 @@ Command = (AddRequest | AbortRequest | FinishRequest | ReserveBlocks | FreeReser
 # ---- what leaves the engine ----------------------------------------------------------
 @dataclass
 class EngineOutput:
-    """What one request gained since its last output: new tokens, their logprob entries
-    ({sampled token: logprob, then the top alternatives}), the text delta (stop strings
+    """What one request gained since its last output: new tokens, their logprobs
+    (when asked for), the text delta (stop strings
     applied), and on the last output the finish and usage."""
     request_id: str
     token_ids: list[int]
     text: str = ""
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0

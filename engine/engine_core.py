@@ -38,6 +38,7 @@ from engine.executor.graph_buckets import GraphOptions
 from engine.executor.graph_stats import executor_stats
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
+from engine.logprobs import token_logprob
 from engine.models.loader import load_model
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
@@ -297,7 +298,7 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(seq)
         seq.append_token(cmd.first_token)
         if cmd.first_logprob is not None and seq.params.logprobs is not None:
-            seq.logprobs.append(dict(cmd.first_logprob))
+            seq.logprobs.append(cmd.first_logprob)
         self.requests[seq.request_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["generated_tokens"] += 1
@@ -358,11 +359,8 @@ class LLMEngine:
             k = seq.params.logprobs
             if k is None:
                 continue
-            entry = {toks[row]: lps[row]}
-            if top_t is not None:
-                for t, lp in zip(top_t[row][:k], top_l[row][:k], strict=True):
-                    entry.setdefault(t, lp)
-            seq.logprobs.append(entry)
+            seq.logprobs.append(token_logprob(toks[row], lps[row], top_t[row] if top_t else (),
+                                              top_l[row] if top_l else (), k))
 
     def _unblock(self) -> None:
         """Nothing could be scheduled although requests wait: the head request cannot

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.commands import EngineOutput
+from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -14,7 +15,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[TokenLogprob] | None
     cumulative_logprob: float | None
     finish_reason: str | None
     stop_reason: int | str | None = None
@@ -117,7 +118,7 @@ def make_output(seq: Sequence, prompt: str | None, text: str) -> RequestOutput:
     lps = seq.logprobs if seq.params.logprobs is not None else None
     cum = None
     if lps:
-        cum = sum(entry[tok] for entry, tok in zip(lps, seq.output_token_ids, strict=False))
+        cum = sum(entry.logprob for entry in lps)
     completion = CompletionOutput(0, text, seq.output_token_ids, lps, cum,
                                   seq.finish_reason, seq.stop_reason)
     return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion],

@@ -43,6 +43,7 @@ import torch
 
 from engine.commands import AdmitPrefilled, CapacityError, FreeReserved, ReserveBlocks
 from engine.kv_cache import scatter_blocks
+from engine.logprobs import TokenLogprob
 from engine.pd_mtp import check_handoff
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -273,7 +274,7 @@ class KvReceiver:
             res.chunks_received += 1
 
     def complete(self, reservation_id: str, first_token: int,
-                 first_logprob: dict[int, float] | None = None, mtp=None) -> Future:
+                 first_logprob: TokenLogprob | None = None, mtp=None) -> Future:
         """All KV arrived: a Future of the Sequence admitted into the running batch with
         its first token. An incomplete push is refused (PushRejected, raised here) and
         releases the reservation. mtp: the prefill's engine.pd_mtp.MtpHandoff."""

@@ -21,6 +21,7 @@ import torch
 
 from engine.commands import AddRequest
 from engine.kv_cache import gather_blocks
+from engine.logprobs import TokenLogprob
 from engine.pd_mtp import MtpCollector, MtpHandoff
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -37,7 +38,7 @@ class KvSink(Protocol):
         """k, v: [len(dst_block_ids), block_size, kv_heads, head_dim] host tensors; when
         `ready` is not None it is a device event to synchronize before reading them."""
 
-    def on_first_token(self, token_id: int, logprob: dict[int, float] | None,
+    def on_first_token(self, token_id: int, logprob: TokenLogprob | None,
                        mtp: MtpHandoff | None = None) -> None:
         """mtp: what the decode node's MTP draft needs (when this engine runs MTP)."""
 

@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -35,8 +36,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        # Per-generated-token logprob entries: {token_id: logprob}, sampled token first.
-        self.logprobs: list[dict[int, float]] = []
+        # One entry per generated token when the request asks for logprobs.
+        self.logprobs: list[TokenLogprob] = []
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:

@@ -111,8 +111,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                                       pushed_bytes=sender.num_bytes,
                                       prefix_cached_tokens=seq.num_prefix_hit_tokens)
         if sender.first_logprob is not None:
-            reply.first_logprob.CopyFrom(logprob_to_proto(sender.first_token,
-                                                          sender.first_logprob))
+            reply.first_logprob.CopyFrom(logprob_to_proto(sender.first_logprob))
         log.info("request %s: prefilled %d tokens, pushed %d blocks (%.1f MB) to %s",
                  rid, len(request.prompt_token_ids), len(sender.blocks_pushed),
                  sender.num_bytes / 1e6, request.decode_address)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -23,11 +24,10 @@ class NodeRequest:
 class StepOutput:
     """The tokens one engine step (or one node message) produced for a request.
 
-    logprobs: per token, [(token_id, logprob), ...] with the sampled token first, then the
-    top-k entries; None when the request asked for none.
+    logprobs: one entry per token; None when the request asked for none.
     """
     token_ids: list[int]
-    logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None     # "stop" | "length" on the last output
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0           # prompt tokens served from a prefix cache

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.proto_convert import logprobs_from_proto
+from engine.logprobs import TokenLogprob
 from protos import api_pb2, api_pb2_grpc, common_pb2
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -39,7 +41,7 @@ class Chunk:
     request_id: str
     token_ids: list[int]
     text: str
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]]   # (token, logprob, top)
+    logprobs: list[TokenLogprob]
     finish_reason: str | None
     stop_reason: str | None
     usage: dict | None
@@ -50,7 +52,7 @@ class Completion:
     request_id: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
     usage: dict | None = None
@@ -97,8 +99,7 @@ def to_chunk(resp: api_pb2.GenerateResponse) -> Chunk:
                  "completion_tokens": resp.usage.completion_tokens,
                  "cached_prompt_tokens": resp.usage.cached_prompt_tokens}
     return Chunk(resp.request_id, list(resp.token_ids), resp.text_delta,
-                 [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top])
-                  for e in resp.logprobs],
+                 logprobs_from_proto(resp.logprobs),
                  finish, (resp.stop_reason or None) if finish else None, usage)
 
 

@@ -48,11 +48,10 @@ def completion_logprobs(tok: Tokenizer, entries, text_offset: int = 0) -> dict:
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for entry in entries:
-        token_id, lp = entry[0]
-        s = _token_str(tok, token_id)
+        s = _token_str(tok, entry.token_id)
         tokens.append(s)
-        token_lps.append(lp)
-        tops.append({_token_str(tok, t): v for t, v in entry[1:]})
+        token_lps.append(entry.logprob)
+        tops.append({_token_str(tok, t): v for t, v in entry.top})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -62,12 +61,11 @@ def completion_logprobs(tok: Tokenizer, entries, text_offset: int = 0) -> dict:
 def chat_logprobs(tok: Tokenizer, entries) -> dict:
     content = []
     for entry in entries:
-        token_id, lp = entry[0]
-        s = _token_str(tok, token_id)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+        s = _token_str(tok, entry.token_id)
+        content.append({"token": s, "logprob": entry.logprob, "bytes": list(s.encode()),
                         "top_logprobs": [{"token": _token_str(tok, t), "logprob": v,
                                           "bytes": list(_token_str(tok, t).encode())}
-                                         for t, v in entry[1:]]})
+                                         for t, v in entry.top]})
     return {"content": content}
 
 

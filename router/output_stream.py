@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from router.backend import Backend, NodeRequest
 
@@ -21,7 +22,7 @@ from router.backend import Backend, NodeRequest
 class Delta:
     text: str
     token_ids: list[int]
-    logprobs: list[list[tuple[int, float]]] | None
+    logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -31,7 +32,7 @@ class RequestResult:
     """Accumulated over the deltas, for non-streaming responses and usage."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[tuple[int, float]]] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0

@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from engine.logprobs import TokenLogprob
 from router.backend import NodeRequest, StepOutput
 from tests.tiny_tokenizer import add_tiny_tokenizer
 
@@ -43,7 +44,7 @@ class ScriptedBackend:
             for i in range(n):
                 await asyncio.sleep(0)
                 last = i == n - 1
-                lps = ([[(self.tokens[i], -i / 10), (7, -5.0)]]
+                lps = ([TokenLogprob(self.tokens[i], -i / 10, ((7, -5.0),))]
                        if request.params.logprobs is not None else None)
                 yield StepOutput([self.tokens[i]], lps,
                                  finish_reason=(self.finish if n == len(self.tokens)

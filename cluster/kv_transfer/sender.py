@@ -14,6 +14,7 @@ from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES
 from cluster.kv_transfer.codec import layer_chunk_parts, tensor_bytes, tensor_view
 from cluster.kv_transfer.mtp_payload import handoff_to_proto
 from cluster.proto_convert import logprob_to_proto
+from engine.logprobs import TokenLogprob
 from protos import node_pb2
 
 
@@ -30,7 +31,7 @@ class LayerReady:
 @dataclass(frozen=True)
 class FirstToken:
     token_id: int
-    logprob: dict[int, float] | None
+    logprob: TokenLogprob | None
     mtp: object | None            # engine.pd_mtp.MtpHandoff
 
 
@@ -56,7 +57,7 @@ class PushSender:
         self.chunk_bytes = chunk_bytes
         self._queue: asyncio.Queue = asyncio.Queue()
         self.first_token: int | None = None
-        self.first_logprob: dict[int, float] | None = None
+        self.first_logprob: TokenLogprob | None = None
         self.error: BaseException | None = None
         self.num_chunks = 0
         self.num_bytes = 0
@@ -71,7 +72,7 @@ class PushSender:
                  v: torch.Tensor, ready: object | None) -> None:
         self._put(LayerReady(layer, dst_block_ids, k, v, ready))
 
-    def on_first_token(self, token_id: int, logprob: dict[int, float] | None,
+    def on_first_token(self, token_id: int, logprob: TokenLogprob | None,
                        mtp=None) -> None:
         self._put(FirstToken(token_id, logprob, mtp))
 
@@ -105,7 +106,7 @@ class PushSender:
                 self.first_token, self.first_logprob = token, entry
                 done = node_pb2.PushDone(first_token_id=token, num_chunks=self.num_chunks)
                 if entry is not None:
-                    done.first_logprob.CopyFrom(logprob_to_proto(token, entry))
+                    done.first_logprob.CopyFrom(logprob_to_proto(entry))
                 if event.mtp is not None:     # the decode node's draft starts from it
                     done.mtp.CopyFrom(handoff_to_proto(event.mtp, list(self.header.block_ids)))
                 self.token_ready.set()

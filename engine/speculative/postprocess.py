@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
@@ -22,7 +23,7 @@ from engine.sequence import Sequence
 class SeqStepResult:
     tokens: list[int]                 # emitted this step, in order
     num_accepted: int = 0             # of them, accepted drafts (the rest: 1 final token)
-    logprobs: list[dict[int, float]] | None = field(default=None)
+    logprobs: list[TokenLogprob] | None = field(default=None)
 
 
 def postprocess_speculative(scheduler: Scheduler, sched: SchedulerOutput,

@@ -18,6 +18,7 @@ import torch
 
 from engine.forward_input import ForwardInput
 from engine.input_builder import BatchInputBuilder
+from engine.logprobs import TokenLogprob, token_logprob
 from engine.sampling_metadata import SamplingMetadata
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -181,8 +182,8 @@ def verify_sampling(seqs: list[Sequence], drafts: list[list[int]], order: list[i
 
 
 def logprob_entries(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]
-                    ) -> list[dict[int, float]] | None:
-    """{token: logprob} per row (emitted token first, then the top-k), raw logits."""
+                    ) -> list[TokenLogprob] | None:
+    """The emitted token's logprob and the top-k per row, under the raw logits."""
     wants = [s.params.logprobs for s in seqs]
     if all(k is None for k in wants):
         return None
@@ -192,11 +193,8 @@ def logprob_entries(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence
     own = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
     out = []
     for row, (tok, k) in enumerate(zip(tokens, wants, strict=True)):
-        entry = {tok: own[row]}
-        if k:
-            for t, v in zip(top_tok[row, :k].tolist(), top_lp[row, :k].tolist(), strict=True):
-                entry.setdefault(t, v)
-        out.append(entry)
+        out.append(token_logprob(tok, own[row], top_tok[row, :k].tolist() if k else (),
+                                 top_lp[row, :k].tolist() if k else (), k or 0))
     return out
 
 

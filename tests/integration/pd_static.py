@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos import node_pb2
 from router.backend import NodeRequest
@@ -21,7 +22,7 @@ from router.static_pool import static_backend
 @dataclass
 class PdResult:
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     nodes: dict = field(default_factory=dict)     # which prefill / decode node served it
     prefill: node_pb2.PrefillReply | None = None  # the prefill node's reply to the router

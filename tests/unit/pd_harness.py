@@ -9,7 +9,7 @@ import asyncio
 import grpc
 
 from cluster.kv_transfer.inproc import InProcessTransport
-from cluster.proto_convert import FINISH_NAMES, sampling_to_proto
+from cluster.proto_convert import FINISH_NAMES, logprobs_from_proto, sampling_to_proto
 from decode_node.node import DecodeNode
 from engine.config import EngineConfig
 from prefill_node.node import PrefillNode
@@ -89,8 +89,7 @@ class PdPair:
         try:
             async for ev in stream:
                 tokens += ev.tokens.token_ids
-                logprobs += [{t.token_id: t.logprob for t in lp.top} | {lp.token_id: lp.logprob}
-                             for lp in ev.tokens.logprobs]
+                logprobs += logprobs_from_proto(ev.tokens.logprobs)
                 if ev.tokens.finish_reason:
                     finish = FINISH_NAMES[ev.tokens.finish_reason]
         except RpcError as exc:

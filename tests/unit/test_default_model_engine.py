@@ -45,7 +45,9 @@ def test_greedy_identical_to_hf_fp32(llm, hf):
         assert out.outputs[0].text == tok.decode(got, skip_special_tokens=True)
         ref_lp = [torch.log_softmax(lg[0], -1)[t].item()
                   for lg, t in zip(ref.logits, ref_tokens, strict=True)]
-        got_lp = [e[t] for e, t in zip(out.outputs[0].logprobs, got, strict=True)]
+        assert [e.token_id for e in out.outputs[0].logprobs] == got
+        assert all(e.top == () for e in out.outputs[0].logprobs), "logprobs=0 asks no top"
+        got_lp = [e.logprob for e in out.outputs[0].logprobs]
         assert got_lp == pytest.approx(ref_lp, abs=1e-3)
 
 

@@ -42,7 +42,9 @@ def _same_outputs(got, ref):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     for g, r in zip(got, ref, strict=True):
         for eg, er in zip(g.logprobs or [], r.logprobs or [], strict=True):
-            assert eg == pytest.approx(er, abs=1e-4)
+            assert (eg.token_id, [t for t, _ in eg.top]) == (er.token_id, [t for t, _ in er.top])
+            assert [eg.logprob] + [v for _, v in eg.top] == pytest.approx(
+                [er.logprob] + [v for _, v in er.top], abs=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

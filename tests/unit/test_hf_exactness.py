@@ -27,7 +27,11 @@ def _check(outs, prompts, hf, max_new=MAX_NEW, logprobs=True):
         got = out.outputs[0].token_ids
         assert got == ref_tokens, f"prompt {i} (len {len(prompt)}): {got} != HF {ref_tokens}"
         if logprobs:
-            lps = [entry[t] for entry, t in zip(out.outputs[0].logprobs, got, strict=True)]
+            entries = out.outputs[0].logprobs
+            assert [e.token_id for e in entries] == got
+            # greedy with logprobs=1: the one top entry is the sampled token itself
+            assert [e.top for e in entries] == [((e.token_id, e.logprob),) for e in entries]
+            lps = [e.logprob for e in entries]
             assert lps == pytest.approx(ref_lps, abs=1e-3), f"prompt {i} logprobs"
 
 

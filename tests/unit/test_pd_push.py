@@ -56,8 +56,11 @@ def test_pd_greedy_equals_single_node_llm(folder, tcp):
             w = want.outputs[0]
             assert tokens == w.token_ids, f"prompt {i}: PD {tokens} != LLM {w.token_ids}"
             assert finish == w.finish_reason
-            assert [e[t] for e, t in zip(lps, tokens, strict=True)] == pytest.approx(
-                [e[t] for e, t in zip(w.logprobs, w.token_ids, strict=True)], abs=1e-6)
+            assert [e.token_id for e in lps] == tokens
+            assert [e.logprob for e in lps] == pytest.approx(
+                [e.logprob for e in w.logprobs], abs=1e-6)
+            assert [[t for t, _ in e.top] for e in lps] == [[t for t, _ in e.top]
+                                                            for e in w.logprobs]
     run(_with_pair(folder, body, tcp=tcp))
 
 
@@ -135,12 +138,18 @@ def test_broken_push_is_ended_by_the_lease(folder):
             await asyncio.Event().wait()
         push = asyncio.ensure_future(pair.transport.push(DECODE_ADDRESS, messages()))
         await stalled.wait()
-        assert pair.decode.engine.load().free_blocks < 95
+        # (no free-block check here: on a loaded machine the 300 ms lease may be over by now)
+        assert len(res.block_ids) > 0
         with pytest.raises(RpcError) as info:
             await asyncio.wait_for(anext(stream), 5)
         assert info.value.code == grpc.StatusCode.ABORTED and "lease expired" in info.value.details
         push.cancel()
         await asyncio.gather(push, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while pair.decode.engine.load().free_blocks != 95 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert pair.decode.engine.load().free_blocks == 95, "the expired lease kept its blocks"
     run(_with_pair(folder, body))
 
 

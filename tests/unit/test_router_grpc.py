@@ -64,7 +64,7 @@ def test_generate_streams_and_sync_client_agrees(model_dir):
     assert chunks[-1].finish_reason == "stop" and chunks[0].finish_reason is None
     assert chunks[-1].usage == {"prompt_tokens": len(tok.encode("Hello")),
                                 "completion_tokens": 6, "cached_prompt_tokens": 4}
-    assert [round(lp, 4) for ch in chunks for _, lp, _ in ch.logprobs] == [
+    assert [round(e.logprob, 4) for ch in chunks for e in ch.logprobs] == [
         round(-i / 10, 4) for i in range(6)]
     assert backend.requests[0].params.temperature == 0.0
     assert backend.requests[1].prompt_token_ids == [5, 6, 7]
