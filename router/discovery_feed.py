@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from cluster.discovery.prefix_digest import PrefixDigest
 from cluster.discovery.records import NodeLoad, NodeRecord
 from cluster.discovery.registry import Registry, WatchEvent
 from router.node_pool import NodePool, NodeState
@@ -25,7 +26,13 @@ def _apply_load(pool: NodePool, node_id: str, load: NodeLoad) -> None:
         return
     pool.update_load(node_id, running=load.running, waiting=load.waiting + load.reserved,
                      free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-                     block_hashes=frozenset(load.block_hashes))
+                     block_hashes=_hash_set(load.block_hashes))
+
+
+def _hash_set(hashes) -> frozenset[int] | PrefixDigest:
+    """etcd delivers a PrefixDigest (a Bloom filter); the in-memory registry the node's
+    own tuple. Policies only ask `h in node.block_hashes`, which both answer."""
+    return hashes if isinstance(hashes, PrefixDigest) else frozenset(hashes)
 
 
 def apply_event(pool: NodePool, ev: WatchEvent) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from cluster.discovery.prefix_digest import PrefixDigest
+
 
 @dataclass
 class NodeState:
@@ -26,7 +28,8 @@ class NodeState:
     waiting: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
-    block_hashes: frozenset[int] = field(default_factory=frozenset)
+    # the prefix blocks it holds: exact, or a Bloom filter as etcd carries them
+    block_hashes: frozenset[int] | PrefixDigest = field(default_factory=frozenset)
     inflight: int = 0               # requests this router has on the node right now
 
     @property
@@ -65,7 +68,7 @@ class NodePool:
     def update_load(self, node_id: str, *, running: int | None = None,
                     waiting: int | None = None, free_blocks: int | None = None,
                     total_blocks: int | None = None,
-                    block_hashes: frozenset[int] | None = None) -> None:
+                    block_hashes: frozenset[int] | PrefixDigest | None = None) -> None:
         node = self._nodes.get(node_id)
         if node is None:
             return

@@ -2,7 +2,10 @@
 
 /pdserve/<cluster>/nodes/<role>/<node_id> = NodeRecord (JSON), bound to the node's lease:
     who the node is and where to dial it; the key's existence is the liveness signal.
-/pdserve/<cluster>/load/<role>/<node_id>  = NodeLoad (JSON), same lease, rewritten often.
+/pdserve/<cluster>/load/<role>/<node_id>  = NodeLoad (JSON), same lease, rewritten only
+    when it changed and at most once per EtcdRegistry.min_load_interval (etcd keeps every
+    revision until compaction, so an idle node must not write); its prefix-block hashes
+    travel as a PrefixDigest (a Bloom filter, ~5 KB at most) rather than a list.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from cluster.discovery.prefix_digest import PrefixDigest
 
 ROLES = ("prefill", "decode")
 
@@ -81,18 +86,29 @@ class NodeLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     reserved: int = 0           # decode: reservations waiting for their KV push
-    # Chained hashes (engine.block_manager.chain_hash) of the full prefix blocks held.
-    block_hashes: tuple[int, ...] = ()
+    # The full prefix blocks held: on the node, their chained hashes
+    # (engine.prefix_hash.chain_hash); read back from etcd, a PrefixDigest of them. Both
+    # answer `h in block_hashes`, which is all the router asks.
+    block_hashes: tuple[int, ...] | PrefixDigest = ()
     incarnation: str = ""
-    ts: float = field(default_factory=time.time)
+    ts: float = field(default_factory=time.time)     # when measured (not a heartbeat)
+
+    def same_as(self, other: NodeLoad | None) -> bool:
+        """Equal but for the time of measurement: nothing worth a new etcd revision."""
+        return other is not None and replace(self, ts=0.0) == replace(other, ts=0.0)
 
     def to_json(self) -> bytes:
         d = asdict(self)
-        d["block_hashes"] = list(self.block_hashes)
+        hashes = d.pop("block_hashes")
+        digest = hashes if isinstance(hashes, PrefixDigest) else PrefixDigest.of(hashes)
+        d["prefix_digest"] = digest.to_dict()
         return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> NodeLoad:
         d = json.loads(raw)
-        d["block_hashes"] = tuple(d.get("block_hashes", ()))
+        if "prefix_digest" in d:
+            d["block_hashes"] = PrefixDigest.from_dict(d.pop("prefix_digest"))
+        else:   # a node from before the digest: the plain list
+            d["block_hashes"] = tuple(d.get("block_hashes", ()))
         return cls(**d)
