@@ -5,6 +5,10 @@ AdmitPrefilled / FreeReserved; a cancelled caller becomes an AbortRequest) and h
 back through the engine loop's outbox (decode_node/streams.py). Each reservation's fate
 is the KvReceiver's state machine; `_on_release` turns a release into the status that
 ends the request's stream, with the failing side and a replay hint in the trailers.
+
+Only the Decode caller learns a reservation's push token (in the Reservation event); a
+push or an AbortReservation without it is refused with PERMISSION_DENIED and changes
+nothing. The lease a caller asks for is clamped to the node's maximum.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from engine.pd_decode import (
     CapacityError,
     Draining,
     KvReceiver,
+    PushDenied,
     ReleaseReason,
     Reservation,
+    UnknownReservation,
 )
 from engine.pd_fingerprint import Fingerprint
 from protos import node_pb2, node_pb2_grpc
@@ -128,11 +134,12 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                 finished = True
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             stream.reservation_id = res.reservation_id
-            lease_ms = int(round((lease_s or self.receiver.default_lease_s) * 1000))
             yield node_pb2.DecodeEvent(reservation=node_pb2.Reservation(
                 reservation_id=res.reservation_id, block_ids=res.block_ids,
-                num_cached_blocks=res.num_cached_blocks, lease_ms=lease_ms,
-                fingerprint=fingerprint_to_proto(self.fingerprint)))
+                num_cached_blocks=res.num_cached_blocks,
+                lease_ms=int(round(res.lease_s * 1000)),     # granted, after the cap
+                fingerprint=fingerprint_to_proto(self.fingerprint),
+                push_token=res.token))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, RpcFailure):
@@ -184,6 +191,15 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                                                      replay))
 
     async def AbortReservation(self, request: node_pb2.AbortRequest, context):
+        """Only the holder of the reservation's token, naming its own request, may end
+        it; anyone else gets PERMISSION_DENIED and the reservation goes on."""
+        try:
+            self.receiver.authorize(request.reservation_id, request.push_token,
+                                    request.request_id)
+        except UnknownReservation:
+            return node_pb2.AbortReply(found=False)
+        except PushDenied as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         res = self.receiver.release(request.reservation_id, ReleaseReason.PREFILL_FAILED,
                                     request.reason or "no reason given")
         return node_pb2.AbortReply(found=res is not None)

@@ -22,14 +22,25 @@ refused, nothing written) and copies it into the reservation's blocks, which it 
 exclusively, so KV lands while the engine computes other sequences. `complete` admits the
 sequence (an AdmitPrefilled command) only when every (layer, K/V, block) has arrived.
 The receiver never touches the scheduler or block tables itself: those are the engine's.
+
+Each reservation carries a random `token` (32 bytes, `secrets`), returned to the caller
+of reserve only. `write`, `complete` and `authorize` (what the node checks before a push
+header or an abort notice is acted on) need it and the reservation's own request id: a
+missing or wrong one raises `PushDenied` and leaves the reservation exactly as it was. A
+wrong token never releases anything, or anyone who learned a reservation id (logs, a
+guessable counter) could end other users' streams. Leases are capped at `max_lease_s`:
+a longer ask is clamped (the granted lease is `Reservation.lease_s`), not refused, so a
+router configured with a longer lease still works against a stricter node.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
 import itertools
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -48,12 +59,14 @@ from engine.pd_mtp import check_handoff
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
-__all__ = ["CapacityError", "Draining", "KvReceiver", "PushRejected", "Reservation",
+__all__ = ["CapacityError", "Draining", "KvReceiver", "PushDenied", "PushRejected",
+           "Reservation",
            "ReleaseReason", "ReservationState", "UnknownReservation", "KEY", "VALUE"]
 
 log = logging.getLogger(__name__)
 
 KEY, VALUE = 0, 1
+TOKEN_BYTES = 32
 
 
 class ReservationState(enum.Enum):
@@ -93,6 +106,11 @@ class PushRejected(ValueError):
     """A KV chunk or completion that does not fit the reservation; nothing was written."""
 
 
+class PushDenied(PermissionError):
+    """The caller does not hold the reservation's token (or names another request):
+    PERMISSION_DENIED. The reservation is untouched."""
+
+
 @dataclass
 class Reservation:
     reservation_id: str
@@ -107,6 +125,8 @@ class Reservation:
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_received: int = 0
     chunks_received: int = 0
+    token: bytes = field(default=b"", repr=False)     # the push secret; never logged
+    lease_s: float = 0.0                  # the lease granted (after the cap)
 
     @property
     def block_ids(self) -> list[int]:
@@ -130,10 +150,19 @@ class Reservation:
 
 class KvReceiver:
     def __init__(self, engine, default_lease_s: float = 30.0,
-                 on_release: Callable[[Reservation], None] | None = None):
-        """on_release(res): called once per released reservation (any thread)."""
+                 on_release: Callable[[Reservation], None] | None = None,
+                 max_lease_s: float | None = None):
+        """on_release(res): called once per released reservation (any thread).
+        max_lease_s: the longest lease a caller may get (default: default_lease_s)."""
+        if default_lease_s <= 0:
+            raise ValueError(f"default_lease_s must be > 0, got {default_lease_s}")
         self.engine = engine
         self.default_lease_s = default_lease_s
+        self.max_lease_s = default_lease_s if max_lease_s is None else max_lease_s
+        if self.max_lease_s < default_lease_s:
+            raise ValueError(f"max_lease_s {self.max_lease_s} is below the default lease "
+                             f"{default_lease_s}")
+        self.denied = 0                       # pushes / notices refused for their token
         self.on_release = on_release
         self.lock = threading.Lock()          # guards `reservations` only
         self.reservations: dict[str, Reservation] = {}
@@ -159,12 +188,21 @@ class KvReceiver:
                  old.value, new.value, f" ({reason.value}: {detail})" if reason else "")
         return True
 
+    def lease_for(self, lease_s: float | None) -> float:
+        """The lease granted for an ask: the default for none (or <= 0), else the ask
+        clamped to max_lease_s."""
+        if not lease_s or lease_s <= 0:
+            return self.default_lease_s
+        return min(lease_s, self.max_lease_s)
+
     # ---- reserve -------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 lease_s: float | None = None) -> Future:
         """A Future of the Reservation (CapacityError when full, ValueError when the
-        prompt is bad or too long, CapacityError naming the drain while draining)."""
+        prompt is bad or too long, CapacityError naming the drain while draining).
+        The lease is `lease_for(lease_s)`; the Reservation carries its push token."""
         eng = self.engine
+        lease = self.lease_for(lease_s)
         eng.validate_prompt(prompt_token_ids)          # ValueError: bad/too long prompt
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling params must be a SamplingParams")
@@ -195,8 +233,8 @@ class KvReceiver:
                 return
             seq = f.result()
             num_cached = seq.num_cached_tokens // bm.block_size
-            res = Reservation(rid, request_id, seq, num_cached,
-                              time.monotonic() + (lease_s or self.default_lease_s))
+            res = Reservation(rid, request_id, seq, num_cached, time.monotonic() + lease,
+                              token=secrets.token_bytes(TOKEN_BYTES), lease_s=lease)
             for layer in range(len(eng.kv_cache.k)):
                 for kind in (KEY, VALUE):
                     res.pending[(layer, kind)] = set(res.push_block_ids)
@@ -229,10 +267,28 @@ class KvReceiver:
             raise UnknownReservation(f"unknown or expired reservation {reservation_id!r}")
         return res
 
-    def write(self, reservation_id: str, layer: int, kind: int, block_ids: list[int],
-              shape: list[int], dtype: str, data: bytes | memoryview) -> None:
-        """Validate one chunk fully, then copy it into the reserved blocks."""
+    def authorize(self, reservation_id: str, token: bytes,
+                  request_id: str | None = None) -> Reservation:
+        """The open reservation, when `token` is its token (and `request_id`, if given,
+        its request): UnknownReservation when there is none, PushDenied otherwise. Never
+        changes the reservation: a forged call cannot end the real request."""
         res = self.get(reservation_id)
+        # compare_digest: the time taken does not tell how many leading bytes matched
+        if not token or not hmac.compare_digest(bytes(token), res.token):
+            why = f"{'missing' if not token else 'wrong'} push token"
+        elif request_id is not None and request_id != res.request_id:
+            why = f"it does not belong to request {request_id!r}"
+        else:
+            return res
+        self.denied += 1
+        log.warning("reservation %s: call refused: %s", reservation_id, why)
+        raise PushDenied(f"reservation {reservation_id!r}: {why}")
+
+    def write(self, reservation_id: str, layer: int, kind: int, block_ids: list[int],
+              shape: list[int], dtype: str, data: bytes | memoryview, *, token: bytes
+              ) -> None:
+        """Validate one chunk fully (token first), then copy it into the reserved blocks."""
+        res = self.authorize(reservation_id, token)
         num_layers = len(self.engine.kv_cache.k)
         if not 0 <= layer < num_layers:
             raise PushRejected(f"layer {layer} out of range [0, {num_layers})")
@@ -274,12 +330,13 @@ class KvReceiver:
             res.chunks_received += 1
 
     def complete(self, reservation_id: str, first_token: int,
-                 first_logprob: TokenLogprob | None = None, mtp=None) -> Future:
+                 first_logprob: TokenLogprob | None = None, mtp=None, *, token: bytes
+                 ) -> Future:
         """All KV arrived: a Future of the Sequence admitted into the running batch with
         its first token. An incomplete push is refused (PushRejected, raised here) and
         releases the reservation. mtp: the prefill's engine.pd_mtp.MtpHandoff."""
         eng = self.engine
-        res = self.get(reservation_id)
+        res = self.authorize(reservation_id, token)
         with res.lock:
             if not res.open:
                 raise UnknownReservation(f"reservation {reservation_id!r} ended during the push")

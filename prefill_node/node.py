@@ -3,6 +3,7 @@ transport + service."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from cluster.discovery import NodeLoad
@@ -12,6 +13,7 @@ from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.pd_fingerprint import engine_fingerprint
 from engine.pd_prefill import KvPushConnector
+from prefill_node.decode_gate import DecodeGate, OpenDecodeGate, start_gate
 from prefill_node.service import PrefillService
 from protos import node_pb2_grpc
 
@@ -21,23 +23,32 @@ class PrefillNode:
     add_to_server = staticmethod(node_pb2_grpc.add_PrefillNodeServicer_to_server)
 
     def __init__(self, config: EngineConfig, transport: KvTransport, node_id: str = "prefill",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None):
+        """decode_gate: which decode addresses a Prefill call may name (default: any, with
+        a warning at start; prefill_node/decode_gate.py)."""
         self.engine = LLMEngine(config, connector=KvPushConnector)
+        self.decode_gate = decode_gate or OpenDecodeGate()
+        self._gate_start: asyncio.Task | None = None
         self.fingerprint = engine_fingerprint(self.engine)
         self.transport = transport
         self.loop = EngineLoop(self.engine, name="prefill")
         self.service = PrefillService(self.engine, transport, self.fingerprint,
                                       node_id=node_id, model_id=Path(config.model).name,
-                                      chunk_bytes=chunk_bytes)
+                                      chunk_bytes=chunk_bytes, decode_gate=self.decode_gate)
 
     def start(self, advertise_host: str | None = None) -> None:
+        """Call from the event loop that serves the service."""
         self.loop.start()
+        self._gate_start = asyncio.get_running_loop().create_task(start_gate(self.decode_gate))
 
     def begin_drain(self) -> None:
         self.service.draining = True
 
     async def stop(self) -> None:
         self.loop.stop()
+        if self._gate_start is not None:
+            await asyncio.gather(self._gate_start, return_exceptions=True)
+        await self.decode_gate.close()
         await self.transport.close()
 
     def load(self) -> NodeLoad:

@@ -2,11 +2,17 @@
 
 The engine is reached only by commands (an AddRequest carrying the push target, an
 AbortRequest); failures carry their side in the trailers (cluster/rpc_status.py): a
-refusal by the decode node says `decode`, this node's own failure says `prefill`."""
+refusal by the decode node says `decode`, this node's own failure says `prefill`.
+
+The decode address a caller names must pass the node's DecodeGate (registered decode
+nodes) before anything is dialed, abort notices included: PERMISSION_DENIED otherwise. The
+reservation's push token from the request goes into the push header and every abort
+notice; it is never logged."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import grpc
@@ -23,6 +29,7 @@ from cluster.rpc_status import DECODE, PREFILL, RpcFailure
 from engine.commands import AbortRequest
 from engine.pd_fingerprint import Fingerprint
 from engine.pd_prefill import push_request
+from prefill_node.decode_gate import DecodeGate, OpenDecodeGate
 from protos import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("prefill_node")
@@ -31,8 +38,9 @@ log = logging.getLogger("prefill_node")
 class PrefillService(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, engine, transport: KvTransport, fingerprint: Fingerprint,
                  node_id: str = "prefill", model_id: str = "",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None):
         self.engine = engine
+        self.decode_gate = decode_gate or OpenDecodeGate()
         self.transport = transport
         self.fingerprint = fingerprint
         self.node_id = node_id
@@ -47,6 +55,15 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
 
     async def Prefill(self, request: node_pb2.PrefillRequest, context):
         rid = request.request_id
+        if request.decode_address and not self.decode_gate.allows(request.decode_address):
+            # refused before any dial, the abort notice included: the address is not ours
+            # to contact (a caller cannot aim this node at an arbitrary host)
+            log.warning("request %s: refused to push to %r: not a registered decode node",
+                        rid, request.decode_address)
+            await RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
+                             f"decode address {request.decode_address!r} is not a registered "
+                             f"decode node (allowed: {self.decode_gate.describe()})",
+                             PREFILL).abort(context)
         invalid = self._invalid(request)
         if invalid:
             await self._notify_decode(request, invalid)
@@ -69,7 +86,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         skip = request.num_cached_blocks
         header = node_pb2.PushHeader(request_id=rid, reservation_id=request.reservation_id,
                                      fingerprint=fingerprint_to_proto(self.fingerprint),
-                                     block_ids=list(request.block_ids)[skip:])
+                                     block_ids=list(request.block_ids)[skip:],
+                                     push_token=request.push_token)
         sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
                             self.chunk_bytes,
                             raw_payload=getattr(self.transport, "wants_raw_payload", False))
@@ -125,6 +143,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
             return f"missing field(s): {', '.join(missing)}"
         if not request.prompt_token_ids:
             return "prompt_token_ids is empty: at least one token is required"
+        if not request.push_token:
+            return "missing field: push_token (the Reservation's push_token)"
         if not request.HasField("decode_fingerprint"):
             return "missing field: decode_fingerprint (the Reservation's fingerprint)"
         if request.num_cached_blocks > len(request.block_ids):
@@ -136,13 +156,19 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         self.engine.submit(AbortRequest(request_id))
 
     async def _notify_decode(self, request: node_pb2.PrefillRequest, reason: str) -> None:
-        if request.decode_address and request.reservation_id:
+        if request.decode_address and request.reservation_id and \
+                self.decode_gate.allows(request.decode_address):
             await self.transport.abort_reservation(request.decode_address, node_pb2.AbortRequest(
                 request_id=request.request_id, reservation_id=request.reservation_id,
-                reason=reason))
+                reason=reason, push_token=request.push_token))
 
     async def AbortPrefill(self, request: node_pb2.AbortRequest, context):
+        """Only with the push token the request's Prefill call carried."""
         sender = self.inflight.get(request.request_id)
+        if sender is not None and not (request.push_token and hmac.compare_digest(
+                request.push_token, sender.header.push_token)):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"request {request.request_id!r}: missing or wrong push token")
         if sender is not None:
             self._abort_engine(request.request_id)
             sender.cancel(RuntimeError(f"aborted: {request.reason}"))

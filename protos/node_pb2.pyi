@@ -60,18 +60,20 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("reservation_id", "block_ids", "num_cached_blocks", "lease_ms", "fingerprint")
+    __slots__ = ("reservation_id", "block_ids", "num_cached_blocks", "lease_ms", "fingerprint", "push_token")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
     lease_ms: int
     fingerprint: Fingerprint
-    def __init__(self, reservation_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
+    push_token: bytes
+    def __init__(self, reservation_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., lease_ms: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., push_token: _Optional[bytes] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "text_delta", "logprobs", "finish_reason", "stop_reason", "usage")
@@ -98,7 +100,7 @@ class DecodeEvent(_message.Message):
     def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation_id", "block_ids", "num_cached_blocks", "decode_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation_id", "block_ids", "num_cached_blocks", "decode_fingerprint", "push_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class PrefillRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -115,7 +118,8 @@ class PrefillRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
     decode_fingerprint: Fingerprint
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., decode_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
+    push_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., decode_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., push_token: _Optional[bytes] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_pushed_blocks", "pushed_bytes", "prefix_cached_tokens")
@@ -132,16 +136,18 @@ class PrefillReply(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_pushed_blocks: _Optional[int] = ..., pushed_bytes: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "fingerprint", "block_ids")
+    __slots__ = ("request_id", "reservation_id", "fingerprint", "block_ids", "push_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     fingerprint: Fingerprint
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    push_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., push_token: _Optional[bytes] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("layer", "kind", "block_ids", "shape", "dtype", "data")
@@ -202,14 +208,16 @@ class PushAck(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reservation_id", "reason")
+    __slots__ = ("request_id", "reservation_id", "reason", "push_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reservation_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    push_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., reason: _Optional[str] = ..., push_token: _Optional[bytes] = ...) -> None: ...
 
 class AbortReply(_message.Message):
     __slots__ = ("found",)

@@ -71,8 +71,10 @@ class DecodeNodeServicer:
 
     def PushKv(self, request_iterator, context):
         """KV push from a prefill node: PushHeader, then KvChunk messages, then PushDone. Refused
-        (nothing written) on an unknown reservation (NOT_FOUND), a fingerprint mismatch
-        (FAILED_PRECONDITION) or wrong block ids / sizes / dtype (INVALID_ARGUMENT).
+        (nothing written) on an unknown reservation (NOT_FOUND), a missing or wrong push_token
+        or a request id that is not the reservation's (PERMISSION_DENIED; the reservation is
+        left as it was), a fingerprint mismatch (FAILED_PRECONDITION) or wrong block ids /
+        sizes / dtype (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,7 +82,8 @@ class DecodeNodeServicer:
 
     def AbortReservation(self, request, context):
         """Notice from a prefill node (or router) that the prefill failed: releases the
-        reservation at once and ends the Decode stream with ABORTED and the reason.
+        reservation at once and ends the Decode stream with ABORTED and the reason. Needs the
+        reservation's push_token and own request id (else PERMISSION_DENIED, nothing released).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,13 +272,16 @@ class PrefillNodeServicer:
         Returns when the decode node acknowledged the whole push. A decode-side refusal fails
         this call with the decode node's status and message; any failure sends
         AbortReservation to the decode node so its blocks return to the pool.
+        A decode_address that is not a registered decode node (discovery, or the node's
+        allow-list) is refused with PERMISSION_DENIED before anything is dialed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortPrefill(self, request, context):
-        """Notice that a request is no longer wanted (client gone, decode node rejected it).
+        """Notice that a request is no longer wanted (client gone, decode node rejected it); needs
+        the push_token the Prefill call carried (else PERMISSION_DENIED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -256,7 +256,9 @@ class PdBackend:
                         request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                         decode_address=dec.address, reservation_id=r.reservation_id,
                         block_ids=r.block_ids, num_cached_blocks=r.num_cached_blocks,
-                        decode_fingerprint=r.fingerprint)))
+                        decode_fingerprint=r.fingerprint,
+                        # the reservation's secret: to the chosen prefill node only
+                        push_token=r.push_token)))
                     continue
                 t = event.tokens
                 finish = finish_from_proto(t.finish_reason)
@@ -335,8 +337,11 @@ def _classify(failure: RpcFailure, node: NodeState) -> Exception:
         return _TryOther(node, code, message)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(message)
+    # PERMISSION_DENIED: e.g. a prefill node whose discovery view does not (yet) hold the
+    # decode node; another pair may well serve
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
+                grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.PERMISSION_DENIED):
         return _TryOther(node, code, message)
     if code in _NODE_DOWN:
         return NodeFailure(node.node_id, f"{code.name}: {message}")

@@ -4,8 +4,13 @@ protobuf or HTTP/2 copies. Control stays on gRPC: a prefill node learns a decode
 data address from DecodeNode.GetNodeInfo (`kv_tcp_address`), and abort notices go over
 gRPC. One connection per push.
 
+Greeting (server, on connect): a reply with status 0 and no body = ready; any other
+status = refused (over the connection cap): the sender pushes over gRPC instead.
 Frame:  u32 meta_len | u64 data_len | meta (KvPushMessage, chunk.data left empty) | data
 Reply:  u32 status (grpc.StatusCode value; 0 = OK) | u32 len | utf-8 message or PushAck
+
+This module is the prefill side (TcpTransport); the decode side is tcp_server.py
+(TcpKvServer, re-exported here), its limits limits.py, the shared framing tcp_framing.py.
 """
 
 from __future__ import annotations
@@ -14,185 +19,37 @@ import asyncio
 import logging
 import queue
 import socket
-import struct
 import threading
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
 from cluster.kv_transfer.base import KvTransport, PushFailed
 from cluster.kv_transfer.grpc_transport import GrpcTransport
-from cluster.kv_transfer.receiver import WRITTEN, PushHandler
-from engine.pd_decode import PushRejected, UnknownReservation
+from cluster.kv_transfer.tcp_framing import CODES, FRAME, REPLY
+from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
+from cluster.kv_transfer.tcp_server import TcpKvServer
 from protos import node_pb2
 
+__all__ = ["TcpKvServer", "TcpTransport"]
+
 log = logging.getLogger("cluster.kv_transfer")
-
-_FRAME = struct.Struct("<IQ")
-_REPLY = struct.Struct("<II")
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-MAX_META = 1 << 20
-MAX_DATA = 64 << 20
-
-
-def _recv_exact(sock: socket.socket, n: int):
-    """Blocking read of exactly n bytes (the GIL is released while the kernel copies) into
-    an uninitialised buffer (no zero-fill of megabytes about to be overwritten)."""
-    buf = torch.empty(n, dtype=torch.uint8).numpy()
-    view = memoryview(buf).cast("B")
-    while view:
-        got = sock.recv_into(view)
-        if got == 0:
-            raise ConnectionError("peer closed the connection mid-frame")
-        view = view[got:]
-    return buf
-
-
-# Blocking sockets on threads rather than asyncio's sock_* calls: measured on a loaded
-# 2-core machine, the event-loop round trip per partial read/write cost several times the
-# transfer itself (bench/kv_transfer.py); threads get close to a raw socket.
-class TcpKvServer:
-    """Decode side: accepts pushes and feeds them to the same PushHandler as gRPC. A
-    reader thread per connection turns frames into (message, bytes) items; the event loop
-    runs the handler on them (bounded queue: backpressure to the sender)."""
-
-    QUEUE_DEPTH = 8
-
-    def __init__(self, handler: PushHandler, host: str = "127.0.0.1", port: int = 0):
-        self.handler = handler
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(64)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
-        self._conns: set[socket.socket] = set()
-
-    def address(self, advertise_host: str | None = None) -> str:
-        host = advertise_host or self.host
-        return f"{host}:{self.port}"
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True).start()
-
-    async def stop(self) -> None:
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        for conn in list(self._conns):
-            conn.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.add(conn)
-            items: asyncio.Queue = asyncio.Queue()
-            slots = threading.Semaphore(self.QUEUE_DEPTH)     # backpressure to the sender
-            header_checked = threading.Event()
-            state = {"refused": False}
-            threading.Thread(target=self._read, daemon=True, name="kv-tcp-read",
-                             args=(conn, items, slots, header_checked, state)).start()
-            asyncio.run_coroutine_threadsafe(
-                self._serve(conn, items, slots, header_checked, state), self._loop)
-
-    def _read(self, conn: socket.socket, items: asyncio.Queue, slots: threading.Semaphore,
-              header_checked: threading.Event, state: dict) -> None:
-        """Frames -> items. Once the handler has accepted the header (reservation known,
-        fingerprint equal), chunks are validated and written into the cache right here,
-        by the same KvReceiver.write, and passed on as WRITTEN: no thread hop per chunk."""
-        def put(item) -> None:
-            slots.acquire()
-            self._loop.call_soon_threadsafe(items.put_nowait, item)
-        receiver = getattr(self.handler, "receiver", None)
-        reservation_id = None
-        try:
-            while True:
-                meta_len, data_len = _FRAME.unpack(_recv_exact(conn, _FRAME.size))
-                if meta_len > MAX_META or data_len > MAX_DATA:
-                    raise ValueError(f"frame too large ({meta_len} + {data_len} bytes)")
-                msg = node_pb2.KvPushMessage.FromString(bytes(_recv_exact(conn, meta_len)))
-                data = _recv_exact(conn, data_len) if data_len else None
-                which = msg.WhichOneof("msg")
-                if which == "header":
-                    reservation_id = msg.header.reservation_id
-                elif which == "chunk" and receiver is not None and reservation_id is not None:
-                    header_checked.wait()
-                    if state["refused"]:
-                        return
-                    c = msg.chunk
-                    receiver.write(reservation_id, c.layer, c.kind, list(c.block_ids),
-                                   list(c.shape), c.dtype, data)
-                    data = WRITTEN
-                put((msg, data))
-                if which == "done":
-                    return
-        except Exception as exc:  # noqa: BLE001 - handed to the handler as the stream's end
-            if not self._closed:
-                try:
-                    put(exc)
-                except RuntimeError:      # the loop is gone
-                    pass
-
-    async def _serve(self, conn: socket.socket, items: asyncio.Queue,
-                     slots: threading.Semaphore, header_checked: threading.Event,
-                     state: dict) -> None:
-        async def messages():
-            first = True
-            while True:
-                if not first:
-                    header_checked.set()      # the handler asked past the header: accepted
-                first = False
-                item = await items.get()
-                slots.release()
-                if isinstance(item, (PushRejected, UnknownReservation)):
-                    raise item                # refused by KvReceiver.write on the reader
-                if isinstance(item, Exception):
-                    if isinstance(item, ValueError):
-                        raise PushFailed(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                    return                    # connection lost: the handler refuses
-                yield item
-                if item[0].WhichOneof("msg") == "done":
-                    return
-        try:
-            try:
-                ack = await self.handler.handle(messages())
-                reply = _REPLY.pack(0, ack.ByteSize()) + ack.SerializeToString()
-            except PushFailed as exc:
-                body = exc.message.encode()
-                reply = _REPLY.pack(exc.code.value[0], len(body)) + body
-            finally:
-                state["refused"] = True       # a reader still waiting on the header stops
-                header_checked.set()
-            conn.setblocking(True)
-            await _in_own_thread(conn.sendall, reply)
-        except OSError as exc:
-            log.warning("KV TCP push: the sender went away (%s)", exc)
-        finally:
-            self._conns.discard(conn)
-            conn.close()
 
 
 class TcpTransport(KvTransport):
     """Prefill side: pushes over the decode node's raw-TCP data plane; control messages
     (abort notices, the data-address lookup) over gRPC. Falls back to gRPC for a decode
-    node that has no data plane. A sender thread writes the frames; a reply thread waits
-    for the verdict, which can come early (a refusal), and then sending stops."""
+    node that has no data plane, and for a push the data plane turns away (its connection
+    cap reached, or no greeting): nothing was sent yet, so the same messages go over
+    DecodeNode.PushKv. A sender thread writes the frames; a reply thread waits for the
+    verdict, which can come early (a refusal), and then sending stops."""
 
     wants_raw_payload = True
 
     def __init__(self, grpc_transport: GrpcTransport | None = None):
         self.grpc = grpc_transport or GrpcTransport()
         self._data_address: dict[str, str] = {}
+        self.fallbacks = 0          # pushes sent over gRPC because the data plane said no
 
     async def _data_address_of(self, address: str) -> str:
         if address not in self._data_address:
@@ -215,6 +72,13 @@ class TcpTransport(KvTransport):
         except OSError as exc:
             raise PushFailed(grpc.StatusCode.UNAVAILABLE,
                              f"KV data plane {data_address}: {exc}") from None
+        refused = await asyncio.to_thread(_greeting, sock)
+        if refused:
+            sock.close()
+            self.fallbacks += 1
+            log.warning("KV data plane %s refused the push (%s); pushing over gRPC",
+                        data_address, refused)
+            return await self.grpc.push(address, _as_messages(messages))
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out: queue.SimpleQueue = queue.SimpleQueue()
@@ -226,7 +90,7 @@ class TcpTransport(KvTransport):
                     break
                 msg, data = item if isinstance(item, tuple) else _split(item)
                 meta = msg.SerializeToString()
-                out.put(_FRAME.pack(len(meta), len(data) if data is not None else 0) + meta)
+                out.put(FRAME.pack(len(meta), len(data) if data is not None else 0) + meta)
                 if data is not None:
                     out.put(data)
         finally:
@@ -276,16 +140,28 @@ def _send_all(sock: socket.socket, out: queue.SimpleQueue) -> None:
         pass                                  # the reply says why, or the push is lost
 
 
+def _greeting(sock: socket.socket, timeout: float = 10.0) -> str | None:
+    """None when the data plane is ready for this push, else why not."""
+    try:
+        sock.settimeout(timeout)
+        code, n = REPLY.unpack(_recv_exact(sock, REPLY.size))
+        if code == 0:
+            return None
+        return bytes(_recv_exact(sock, min(n, 4096))).decode(errors="replace")
+    except (ConnectionError, OSError) as exc:
+        return f"no greeting: {exc}"
+
+
 def _read_reply(sock: socket.socket) -> node_pb2.PushAck:
     try:
-        code, n = _REPLY.unpack(_recv_exact(sock, _REPLY.size))
+        code, n = REPLY.unpack(_recv_exact(sock, REPLY.size))
         body = bytes(_recv_exact(sock, n))
     except (ConnectionError, OSError) as exc:
         raise PushFailed(grpc.StatusCode.UNAVAILABLE,
                          f"KV data plane connection lost: {exc}") from None
     if code == 0:
         return node_pb2.PushAck.FromString(body)
-    raise PushFailed(_CODES.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
+    raise PushFailed(CODES.get(code, grpc.StatusCode.UNKNOWN), body.decode(errors="replace"))
 
 
 def _split(msg: node_pb2.KvPushMessage) -> tuple[node_pb2.KvPushMessage, bytes | None]:

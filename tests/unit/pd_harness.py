@@ -12,6 +12,7 @@ from cluster.kv_transfer.inproc import InProcessTransport
 from cluster.proto_convert import FINISH_NAMES, logprobs_from_proto, sampling_to_proto
 from decode_node.node import DecodeNode
 from engine.config import EngineConfig
+from prefill_node.decode_gate import StaticDecodeGate
 from prefill_node.node import PrefillNode
 from protos import node_pb2
 
@@ -34,20 +35,23 @@ class FakeContext:
 
 class PdPair:
     def __init__(self, folder, prefill_opts: dict, decode_opts: dict, lease_s: float = 30.0,
-                 tcp: bool = False):
+                 tcp: bool = False, decode_options: dict | None = None):
         """tcp=True: KV goes over the raw-TCP data plane (real loopback sockets) instead of
-        the in-process fake; abort notices still go through the fake."""
+        the in-process fake; abort notices (and the push when the data plane turns it
+        away) still go through the fake. The prefill node may push to DECODE_ADDRESS only.
+        decode_options: more DecodeNode arguments (max_lease_s, kv_tcp_limits)."""
         self.transport = InProcessTransport()
         self.tcp = tcp
         push_transport = self.transport
         if tcp:
             from cluster.kv_transfer.tcp_transport import TcpTransport
-            push_transport = TcpTransport()
-            push_transport.abort_reservation = self.transport.abort_reservation
+            push_transport = TcpTransport(self.transport)
         self.prefill = PrefillNode(EngineConfig(model=str(folder), **prefill_opts),
-                                   push_transport, chunk_bytes=1024)
+                                   push_transport, chunk_bytes=1024,
+                                   decode_gate=StaticDecodeGate([DECODE_ADDRESS]))
         self.decode = DecodeNode(EngineConfig(model=str(folder), **decode_opts), lease_s=lease_s,
-                                 kv_tcp_listen="127.0.0.1:0" if tcp else None)
+                                 kv_tcp_listen="127.0.0.1:0" if tcp else None,
+                                 **(decode_options or {}))
         svc = self.decode.service
         self.transport.attach(DECODE_ADDRESS, svc.push_handler,
                               on_abort=lambda req: svc.AbortReservation(req, FakeContext()))
@@ -80,7 +84,7 @@ class PdPair:
             request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
             decode_address=DECODE_ADDRESS, reservation_id=res.reservation_id,
             block_ids=res.block_ids, num_cached_blocks=res.num_cached_blocks,
-            decode_fingerprint=res.fingerprint)
+            decode_fingerprint=res.fingerprint, push_token=res.push_token)
         if prefill_tamper is not None:
             prefill_tamper(req)
         prefill = asyncio.ensure_future(self.prefill.service.Prefill(req, FakeContext()))

@@ -85,7 +85,7 @@ def test_push_header_with_wrong_fingerprint_writes_nothing(folder):
         async def messages():
             yield node_pb2.KvPushMessage(header=node_pb2.PushHeader(
                 request_id="r", reservation_id=res.reservation_id, fingerprint=fp,
-                block_ids=res.push_block_ids))
+                block_ids=res.push_block_ids, push_token=res.token))
         with pytest.raises(PushFailed) as info:
             await svc.push_handler.handle(messages())
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -133,7 +133,8 @@ def test_broken_push_is_ended_by_the_lease(folder):
         async def messages():                               # a prefill that dies mid-push
             yield node_pb2.KvPushMessage(header=node_pb2.PushHeader(
                 request_id="r", reservation_id=res.reservation_id,
-                fingerprint=res.fingerprint, block_ids=res.block_ids))
+                fingerprint=res.fingerprint, block_ids=res.block_ids,
+                push_token=res.push_token))
             stalled.set()
             await asyncio.Event().wait()
         push = asyncio.ensure_future(pair.transport.push(DECODE_ADDRESS, messages()))

@@ -62,7 +62,8 @@ def _fill_all(rx: KvReceiver, rid: str, fill: float = 1.0) -> None:
     for layer in range(len(rx.engine.kv_cache.k)):
         for kind in (KEY, VALUE):
             t = _chunk(rx, len(ids), fill)
-            rx.write(rid, layer, kind, ids, list(t.shape), "float32", _bytes(t))
+            rx.write(rid, layer, kind, ids, list(t.shape), "float32", _bytes(t),
+                     token=res.token)
 
 
 def _snapshot(rx: KvReceiver) -> list[torch.Tensor]:
@@ -78,7 +79,7 @@ def test_reserve_gives_blocks_for_the_prompt_and_skips_cached_prefix(rx):
     assert len(res.block_ids) == 3 and res.num_cached_blocks == 0
     assert bm.num_free_blocks == free0 - 3
     _fill_all(rx, res.reservation_id)
-    seq = rx.complete(res.reservation_id, 7).result(timeout=0)
+    seq = rx.complete(res.reservation_id, 7, token=res.token).result(timeout=0)
     assert seq.output_token_ids == [7] and "a" in rx.engine.requests
     assert seq.num_cached_tokens == 9 and rx.engine.has_unfinished()
     assert [o.token_ids for o in rx.engine.take_outputs([])] == [[7]]   # admission
@@ -100,7 +101,7 @@ def test_bad_chunk_is_refused_and_writes_nothing(rx, bad):
     ids = res.push_block_ids
     t = _chunk(rx, len(ids), 5.0)
     args = dict(reservation_id=res.reservation_id, layer=0, kind=KEY, block_ids=ids,
-                shape=list(t.shape), dtype="float32", data=_bytes(t))
+                shape=list(t.shape), dtype="float32", data=_bytes(t), token=res.token)
     if bad == "unknown":
         args["reservation_id"] = "nope"
     elif bad == "layer":
@@ -131,9 +132,10 @@ def test_incomplete_push_is_refused_and_releases_blocks(rx):
     res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
     t = _chunk(rx, len(ids))
-    rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
+    rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t),
+             token=res.token)
     with pytest.raises(PushRejected, match="incomplete: missing layer 0 V"):
-        rx.complete(res.reservation_id, 7)
+        rx.complete(res.reservation_id, 7, token=res.token)
     assert bm.num_free_blocks == free0 and not rx.reservations
     assert "a" not in rx.engine.requests
 
@@ -142,7 +144,8 @@ def test_written_bytes_land_in_the_reserved_blocks(rx):
     res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
     t = torch.randn(len(ids), *rx.engine.kv_cache.block_shape)
-    rx.write(res.reservation_id, 1, VALUE, ids, list(t.shape), "float32", _bytes(t))
+    rx.write(res.reservation_id, 1, VALUE, ids, list(t.shape), "float32", _bytes(t),
+             token=res.token)
     assert torch.equal(gather_blocks(rx.engine.kv_cache.v[1], torch.tensor(ids)), t)
 
 
@@ -155,7 +158,7 @@ def test_lease_expiry_returns_blocks(rx):
     assert [r.request_id for r in rx.expire(now=res.deadline + 0.01)] == ["a"]
     assert bm.num_free_blocks == free0 and not rx.reservations
     with pytest.raises(UnknownReservation):
-        rx.complete(res.reservation_id, 7)
+        rx.complete(res.reservation_id, 7, token=res.token)
 
 
 def test_full_and_too_long_are_refused(rx):
@@ -177,7 +180,8 @@ def test_first_token_that_stops_finishes_at_admission(rx):
     free0 = bm.num_free_blocks
     res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     _fill_all(rx, res.reservation_id)
-    seq = rx.complete(res.reservation_id, 2).result(timeout=0)   # 2: the tiny model's EOS
+    # 2: the tiny model's EOS
+    seq = rx.complete(res.reservation_id, 2, token=res.token).result(timeout=0)
     assert seq.is_finished and seq.finish_reason == "stop"
     assert bm.num_free_blocks == free0
 
@@ -189,10 +193,11 @@ def test_reservation_states_move_only_forward_and_are_counted(rx):
     assert res.state is ReservationState.RESERVED
     ids = res.push_block_ids
     t = _chunk(rx, len(ids))
-    rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
+    rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t),
+             token=res.token)
     assert res.state is ReservationState.RECEIVING
     _fill_all(rx, res.reservation_id)
-    rx.complete(res.reservation_id, 7).result(timeout=0)
+    rx.complete(res.reservation_id, 7, token=res.token).result(timeout=0)
     assert res.state is ReservationState.ADMITTED
     # admitted: the blocks are the sequence's, a late release does nothing
     assert rx.release(res.reservation_id, ReleaseReason.LEASE_EXPIRED) is None
@@ -215,13 +220,14 @@ def test_drain_releases_unstarted_reservations_and_refuses_new_ones(rx):
     busy = _reserve(rx, "busy", list(range(10, 19)), _greedy())
     ids = busy.push_block_ids
     t = _chunk(rx, len(ids))
-    rx.write(busy.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t))
+    rx.write(busy.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t),
+             token=busy.token)
     assert rx.drain("decode node is draining") == [idle]
     assert released == [idle] and idle.release_reason is ReleaseReason.DRAINING
     with pytest.raises(Draining, match="draining"):
         _reserve(rx, "late", [5, 6, 7], _greedy())
     # the push that had begun still completes and is admitted
     _fill_all(rx, busy.reservation_id)
-    seq = rx.complete(busy.reservation_id, 7).result(timeout=0)
+    seq = rx.complete(busy.reservation_id, 7, token=busy.token).result(timeout=0)
     assert busy.state is ReservationState.ADMITTED and not seq.is_finished
     assert bm.num_free_blocks == free0 - len(busy.block_ids)

@@ -57,7 +57,8 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks")
         yield node_pb2.DecodeEvent(reservation=node_pb2.Reservation(
             reservation_id=f"res-{request.request_id}", block_ids=[5, 6, 7],
-            num_cached_blocks=1, lease_ms=request.lease_ms))
+            num_cached_blocks=1, lease_ms=request.lease_ms,
+            push_token=f"token-{request.request_id}".encode()))
         tokens = list(request.prompt_token_ids)
         max_tokens = request.sampling.max_tokens
         try:
@@ -163,6 +164,7 @@ def test_reserve_then_prefill_with_the_reservation_and_stream_tokens():
     assert (pre.reservation_id, list(pre.block_ids), pre.num_cached_blocks) == (
         "res-r1", [5, 6, 7], 1)
     assert pre.decode_address == pool.get("decode-0").address
+    assert pre.push_token == b"token-r1", "the reservation's token goes to the prefill node"
     assert list(pre.prompt_token_ids) == PROMPT and pre.sampling.max_tokens == 6
     assert [n.inflight for n in pool.all()] == [0, 0]
 

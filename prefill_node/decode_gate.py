@@ -1,0 +1,86 @@
+"""Which decode nodes a prefill node may push KV to.
+
+A Prefill call names the decode node's address; without a check, anyone who can reach a
+prefill node could make it dial any host:port (and push model activations there). The gate
+answers `allows(address)` before anything is dialed, the abort notice included:
+
+- `DiscoveryDecodeGate(registry)`: the decode nodes registered in discovery right now (a
+  `ClusterView` over the registry's watch; unknown until its first snapshot: refused);
+- `StaticDecodeGate(addresses)`: a fixed list, for setups without discovery (tests,
+  `router/static_pool.py`-style benchmarks);
+- `OpenDecodeGate()`: anything (the behaviour before gates existed; a prefill node built
+  without a gate uses it and says so at start, once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from cluster.discovery import ClusterView, Registry
+
+log = logging.getLogger("prefill_node")
+
+
+class DecodeGate:
+    def allows(self, address: str) -> bool:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class OpenDecodeGate(DecodeGate):
+    def allows(self, address: str) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return "any address (no decode allow-list configured)"
+
+
+class StaticDecodeGate(DecodeGate):
+    def __init__(self, addresses: Iterable[str]):
+        self.addresses = frozenset(a.strip() for a in addresses if a.strip())
+
+    def allows(self, address: str) -> bool:
+        return address in self.addresses
+
+    def describe(self) -> str:
+        return f"the {len(self.addresses)} listed decode address(es)"
+
+
+class DiscoveryDecodeGate(DecodeGate):
+    """Addresses of the decode nodes in the registry, as the routers see them (a router
+    sends the address from the same NodeRecord)."""
+
+    def __init__(self, registry: Registry):
+        self.view = ClusterView(registry)
+
+    def allows(self, address: str) -> bool:
+        return any(r.address == address for r in self.view.nodes("decode"))
+
+    def describe(self) -> str:
+        return "decode nodes registered in discovery"
+
+    async def start(self) -> None:
+        await self.view.start(wait=None)          # never delays the node's start
+
+    async def close(self) -> None:
+        await self.view.close()
+
+
+async def start_gate(gate: DecodeGate) -> None:
+    if isinstance(gate, OpenDecodeGate):
+        log.warning("prefill node: no decode allow-list; it pushes KV to any address a "
+                    "caller names (give it a DiscoveryDecodeGate or StaticDecodeGate)")
+    await gate.start()
+
+
+__all__ = ["DecodeGate", "DiscoveryDecodeGate", "OpenDecodeGate", "StaticDecodeGate",
+           "start_gate"]
