@@ -1,8 +1,9 @@
 """Errors a client can cause or meet, with their HTTP status and gRPC code.
 
 One exception type carries both mappings, so the HTTP and gRPC fronts cannot disagree on
-what a failure means: 400 / INVALID_ARGUMENT for bad input, 429 / RESOURCE_EXHAUSTED when
-every node is full, 503 / UNAVAILABLE when no node can serve.
+what a failure means: 400 / INVALID_ARGUMENT for bad input, 401 / UNAUTHENTICATED without a
+valid API key, 413 / RESOURCE_EXHAUSTED for a body over the size limit, 429 /
+RESOURCE_EXHAUSTED when every node is full, 503 / UNAVAILABLE when no node can serve.
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ class InvalidRequest(RouterError):
 class ModelNotFound(InvalidRequest):
     # OpenAI answers an unknown model with 404; the issue asks for 400, which is also what
     # vLLM's router gives. The body names the model and the ones served.
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(RouterError):
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+    error_type = "invalid_request_error"
+
+
+class Unauthenticated(RouterError):
+    # OpenAI's 401 body has type invalid_request_error; the status says what went wrong.
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
     error_type = "invalid_request_error"
 
 
