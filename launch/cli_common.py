@@ -32,3 +32,41 @@ def env_flag(parser: argparse.ArgumentParser | Any, flag: str, env: str, help: s
     """A boolean switch that is also on when `env` is 1/true/yes."""
     on = os.environ.get(env, "").strip().lower() in ("1", "true", "yes", "on")
     parser.add_argument(flag, action="store_true", default=on, help=f"{help} [env {env}]")
+
+
+def env_bool_argument(parser: argparse.ArgumentParser | Any, flag: str, env: str,
+                      default: bool, help: str = "") -> None:
+    """--x / --no-x whose default comes from `env` (1/true/yes/on or 0/false/no/off)."""
+    raw = os.environ.get(env, "").strip().lower()
+    value = default
+    if raw in ("1", "true", "yes", "on"):
+        value = True
+    elif raw in ("0", "false", "no", "off"):
+        value = False
+    elif raw:
+        raise CliError(f"environment variable {env}={raw!r} is not a valid value for {flag} "
+                       f"(1/true/yes/on or 0/false/no/off)")
+    parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
+                        help=f"{help} [env {env}]")      # argparse adds the default
+
+
+class _SecretList(argparse.Action):
+    """Repeatable; each value may hold several comma-separated items. The first one given on
+    the command line replaces what the env variable supplied (the flag wins, as for every
+    other flag)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        items = [] if current is self.default else list(current)
+        items += [v.strip() for v in values.split(",") if v.strip()]
+        setattr(namespace, self.dest, items)
+
+
+def env_secret_list_argument(parser: argparse.ArgumentParser | Any, flag: str, env: str,
+                             help: str = "", **kwargs: Any) -> None:
+    """A repeatable flag for secrets (API keys), default from `env` (comma-separated). The
+    help never shows the values."""
+    raw = os.environ.get(env, "")
+    value = [v.strip() for v in raw.split(",") if v.strip()]
+    parser.add_argument(flag, action=_SecretList, default=value, help=f"{help} [env {env}]",
+                        **kwargs)

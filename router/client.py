@@ -11,6 +11,10 @@
         async for chunk in c.stream("Hello"):
             ...
 
+A router started with `--api-key` needs the key: `GenerationClient(addr, api_key="...")`,
+or the environment variable PDSERVE_API_KEY (its first comma-separated key) when api_key
+is not given; it is sent as the metadata `authorization: Bearer <key>`.
+
 Sampling keywords are the engine's SamplingParams names (max_tokens, temperature, top_p,
 top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty, stop, stop_token_ids,
 ignore_eos, seed, logprobs, skip_special_tokens); unset ones take the server's defaults.
@@ -19,6 +23,7 @@ Errors are `grpc.RpcError`s with the server's code (INVALID_ARGUMENT, UNAVAILABL
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -91,6 +96,14 @@ def build_request(prompt: str | list[int], model: str = "", request_id: str = ""
     return req
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying `api_key` (or PDSERVE_API_KEY's first key when None)."""
+    if api_key is None:
+        api_key = next((k.strip() for k in os.environ.get("PDSERVE_API_KEY", "").split(",")
+                        if k.strip()), None)
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
 def to_chunk(resp: api_pb2.GenerateResponse) -> Chunk:
     finish = _FINISH.get(resp.finish_reason)
     usage = None
@@ -104,15 +117,17 @@ def to_chunk(resp: api_pb2.GenerateResponse) -> Chunk:
 
 
 class GenerationClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 api_key: str | None = None):
         self.channel = grpc.insecure_channel(address)
+        self.metadata = auth_metadata(api_key)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
 
     def stream(self, prompt: str | list[int], model: str = "", request_id: str = "",
                **sampling) -> Iterator[Chunk]:
         call = self.stub.Generate(build_request(prompt, model, request_id, **sampling),
-                                  timeout=self.timeout)
+                                  timeout=self.timeout, metadata=self.metadata)
         try:
             for resp in call:
                 yield to_chunk(resp)
@@ -128,7 +143,8 @@ class GenerationClient:
 
     def list_models(self) -> list[str]:
         return [m.id for m in self.stub.ListModels(api_pb2.ListModelsRequest(),
-                                                   timeout=self.timeout).models]
+                                                   timeout=self.timeout,
+                                                   metadata=self.metadata).models]
 
     def close(self) -> None:
         self.channel.close()
@@ -141,15 +157,17 @@ class GenerationClient:
 
 
 class AsyncGenerationClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 api_key: str | None = None):
         self.channel = grpc.aio.insecure_channel(address)
+        self.metadata = auth_metadata(api_key)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
 
     async def stream(self, prompt: str | list[int], model: str = "", request_id: str = "",
                      **sampling) -> AsyncIterator[Chunk]:
         call = self.stub.Generate(build_request(prompt, model, request_id, **sampling),
-                                  timeout=self.timeout)
+                                  timeout=self.timeout, metadata=self.metadata)
         try:
             async for resp in call:
                 yield to_chunk(resp)
@@ -164,7 +182,8 @@ class AsyncGenerationClient:
         return out
 
     async def list_models(self) -> list[str]:
-        resp = await self.stub.ListModels(api_pb2.ListModelsRequest(), timeout=self.timeout)
+        resp = await self.stub.ListModels(api_pb2.ListModelsRequest(), timeout=self.timeout,
+                                          metadata=self.metadata)
         return [m.id for m in resp.models]
 
     async def close(self) -> None:

@@ -1,6 +1,8 @@
 """The public gRPC API (pdserve.v1.Generation: Generate, ListModels) on its own port, with
-grpc.health.v1 (SERVING while at least one prefill and one decode node are known) and
-server reflection. Shares validation, routing and stop-string handling with the HTTP front.
+grpc.health.v1 (SERVING while at least one prefill and one decode node are known) and,
+when asked for (`--grpc-reflection`), server reflection. Shares validation, routing and
+stop-string handling with the HTTP front; the API key and undecodable messages are handled
+by `router/grpc_edge.py`'s interceptor.
 """
 
 from __future__ import annotations
@@ -14,42 +16,62 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.proto_convert import finish_to_proto, logprobs_to_proto, sampling_fields_from_proto
 from protos import api_pb2, api_pb2_grpc, common_pb2
+from router.auth import ApiKeys
 from router.errors import InvalidRequest, RouterError
+from router.grpc_edge import MAX_GRPC_MESSAGE_BYTES, EdgeInterceptor
 from router.requests import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
     ParsedRequest,
     build_sampling,
+    check_chars,
     check_prompt,
+    check_request_id,
     check_token_ids,
-    new_request_id,
+    max_tokens_for,
+    sampling_from_fields,
 )
+from router.schema_errors import validate
+from router.schemas import MAX_LOGPROBS, Int, SamplingFields
 from router.service import RouterService
 
 log = logging.getLogger("pdserve.router")
 
 
+class GenerateSampling(SamplingFields):
+    """The wire's SamplingParams: the same declared ranges as the HTTP bodies (the proto's
+    integer widths are wider than what the engine and the model's context can take)."""
+
+    logprobs: Int(0, MAX_LOGPROBS) | None = None
+
+
 def parse_generate(msg: api_pb2.GenerateRequest, service: RouterService) -> ParsedRequest:
-    """GenerateRequest -> ParsedRequest, or InvalidRequest naming the missing/bad field."""
+    """GenerateRequest -> ParsedRequest, or InvalidRequest naming the missing/bad field.
+    Blocks while tokenizing: run it off the event loop."""
 
     info = service.info
     if msg.model and msg.model != info.name:
-        raise InvalidRequest(f"the model {msg.model!r} does not exist; this router serves "
-                             f"{info.name!r}", "model")
+        raise InvalidRequest(f"the model {msg.model[:100]!r} does not exist; this router "
+                             f"serves {info.name!r}", "model")
+    request_id = check_request_id(msg.request_id)
+    fields = sampling_fields_from_proto(msg.sampling) if msg.HasField("sampling") else {}
+    sampling = validate(GenerateSampling, fields)
     which = msg.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("the request has no prompt: set `text` or `token_ids`", "prompt")
     if which == "text":
+        check_chars(len(msg.text), info, service.tokenizer, "text")
         ids = service.tokenizer.encode(msg.text) if msg.text else []
         text: str | None = msg.text
     else:
         ids = check_token_ids(list(msg.token_ids.ids), info, "token_ids")
         text = None
     check_prompt(ids, info, "prompt")
-    fields = sampling_fields_from_proto(msg.sampling) if msg.HasField("sampling") else {}
-    max_tokens = fields.pop("max_tokens", 16)
-    logprobs = fields.pop("logprobs", None)
-    params = build_sampling(fields, max_tokens, logprobs)
-    return ParsedRequest("completion", msg.request_id or new_request_id(), info.name, [ids],
-                         [text], [params], stream=True)
+    max_tokens = max_tokens_for(len(ids), sampling.max_tokens, "max_tokens", info,
+                                DEFAULT_COMPLETION_MAX_TOKENS)
+    params = build_sampling(sampling_from_fields(sampling, info), max_tokens,
+                            sampling.logprobs)
+    return ParsedRequest("completion", request_id, info.name, [ids], [text], [params],
+                         stream=True)
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
@@ -58,7 +80,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         try:
-            req = parse_generate(request, self.service)
+            req = await asyncio.to_thread(parse_generate, request, self.service)
         except RouterError as err:
             self.service.metrics.requests.labels("grpc", str(err.http_status)).inc()
             await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
@@ -93,15 +115,20 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 class GrpcFront:
     """The gRPC server plus a task that keeps the health status in step with the nodes."""
 
-    def __init__(self, service: RouterService, address: str):
+    def __init__(self, service: RouterService, address: str, api_keys: ApiKeys | None = None,
+                 reflection_on: bool = False):
         self.service = service
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(
+            interceptors=[EdgeInterceptor(api_keys or ApiKeys())],
+            options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)])
         api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-                 health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
+        if reflection_on:
+            # Off by default: it lists the services and their schemas to anyone who asks.
+            names = (api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                     health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
         self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address} (gRPC)")

@@ -1,5 +1,10 @@
 """OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions (whole or
-as server-sent events), /v1/models, /health, /metrics.
+as server-sent events), /v1/models, /health, /metrics (unless turned off).
+
+The edge: with API keys configured every path but /health (and /metrics, for scrapers)
+needs `Authorization: Bearer <key>`; a body over `max_body_bytes` is 413; the body is
+decoded, validated and tokenized in a worker thread, so a huge or slow one cannot stall the
+event loop (and with it /health, the liveness probe). Every error is an OpenAI error body.
 
 A streamed request is started before the response headers go out: a failure that happens
 before the first token (no node, every node full) still gets its proper status and an
@@ -8,47 +13,69 @@ OpenAI error body rather than a 200 stream carrying an error.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 
 from aiohttp import web
 
-from router.errors import InvalidRequest, RouterError
+from router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED_MESSAGE, ApiKeys
+from router.errors import InvalidRequest, PayloadTooLarge, RouterError, Unauthenticated
+from router.json_body import decode_json
 from router.metrics import CONTENT_TYPE
 from router.openai_format import SSE_DONE, ChunkWriter, error_event, full_response
-from router.requests import new_request_id, parse_chat, parse_completion
+from router.requests import (
+    ParsedRequest,
+    check_request_id,
+    new_request_id,
+    parse_chat,
+    parse_completion,
+)
 from router.service import RouterService
 
 log = logging.getLogger("pdserve.router")
 
 SERVICE_KEY: web.AppKey[RouterService] = web.AppKey("service", RouterService)
+BODY_LIMIT_KEY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 def error_response(err: RouterError) -> web.Response:
-    return web.json_response(err.to_openai(), status=err.http_status)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, Unauthenticated) else None
+    return web.json_response(err.to_openai(), status=err.http_status, headers=headers)
 
 
-async def _read_json(request: web.Request) -> object:
-    raw = await request.read()
+async def _read_body(request: web.Request) -> bytes:
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"the request body is larger than the "
+                              f"{request.app[BODY_LIMIT_KEY]} bytes accepted") from None
+
+
+def _log_id(rid: str | None) -> str:
+    try:
+        return check_request_id(rid)
+    except InvalidRequest:              # not echoed into the log: it may be anything
+        return new_request_id()
+
+
+def _parse(raw: bytes, kind: str, service: RouterService, rid: str | None) -> ParsedRequest:
+    """Bytes -> ParsedRequest. Blocking (JSON, validation, tokenizer): runs in a thread."""
+    parse = parse_chat if kind == "chat" else parse_completion
+    return parse(decode_json(raw), service.info, service.tokenizer, rid)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     endpoint = "chat" if kind == "chat" else "completions"
-    rid = request.headers.get("X-Request-Id") or new_request_id()
+    rid = request.headers.get("X-Request-Id")
     try:
-        body = await _read_json(request)
-        parse = parse_chat if kind == "chat" else parse_completion
-        req = parse(body, service.info, service.tokenizer, rid)
+        raw = await _read_body(request)
+        req = await asyncio.to_thread(_parse, raw, kind, service, rid)
     except RouterError as err:
         service.metrics.requests.labels(endpoint, str(err.http_status)).inc()
-        log.info("[%s] rejected: %s", rid, err.message)
+        log.info("[%s] rejected: %s", _log_id(rid), err.message)
         return error_response(err)
     run = service.run(req, endpoint)
     events = run.events()
@@ -130,24 +157,50 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _json_errors(request: web.Request, handler):
-    """Unknown routes and wrong methods answer with an OpenAI-style body too."""
+    """Unknown routes, wrong methods and internal errors answer with an OpenAI body too."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return web.json_response({"error": {"message": f"{exc.reason}: {request.method} "
-                                            f"{request.path}", "type": "invalid_request_error",
+                                            f"{request.path[:200]}",
+                                            "type": "invalid_request_error",
                                             "param": None, "code": exc.status}},
                                  status=exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path[:200])
+        return error_response(RouterError("internal error"))
 
 
-def make_app(service: RouterService) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+def _require_key(keys: ApiKeys, open_paths: frozenset[str]):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        # Checked before the route is resolved to a handler: unknown paths answer 401 too,
+        # so the edge does not tell an unauthenticated client which routes exist.
+        if request.path not in open_paths and not keys.allows(
+                request.headers.get("Authorization")):
+            return error_response(Unauthenticated(UNAUTHENTICATED_MESSAGE))
+        return await handler(request)
+    return check
+
+
+def make_app(service: RouterService | None, api_keys: ApiKeys | None = None,
+             metrics_on: bool = True, max_body_bytes: int = MAX_BODY_BYTES
+             ) -> web.Application:
+    middlewares = [_json_errors]
+    if api_keys:
+        # /metrics stays open for Prometheus scrapers (turn it off with --no-metrics).
+        middlewares.append(_require_key(api_keys, OPEN_HTTP_PATHS | {"/metrics"}))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[SERVICE_KEY] = service
+    app[BODY_LIMIT_KEY] = max_body_bytes
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    if metrics_on:
+        app.router.add_get("/metrics", metrics)
     return app

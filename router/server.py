@@ -9,7 +9,7 @@ import contextlib
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("pdserve.router")
@@ -31,6 +31,11 @@ class RouterConfig:
     queue_timeout_s: float = 30.0               # every decode node full: wait, then 429
     ready_file: str | None = None               # JSON {"http": url, "grpc": addr} once serving
     drain_timeout: float = 30.0
+    # The public edge (docs/SECURITY.md): keys clients must send (none: open), /metrics on
+    # the HTTP port, gRPC server reflection (off: it describes the API to anyone).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    metrics: bool = True
+    grpc_reflection: bool = False
 
     def __post_init__(self):
         from router.policies import POLICIES
@@ -50,12 +55,16 @@ class RouterConfig:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.lease_ms < 1000:
             raise ValueError(f"lease_ms must be >= 1000, got {self.lease_ms}")
+        from router.auth import ApiKeys
+
+        ApiKeys(self.api_keys)                  # ValueError naming what is wrong with a key
 
 
 class Router:
     """A running router; `start()` binds both ports, `stop()` drains and closes."""
 
     def __init__(self, config: RouterConfig, registry=None):
+        from router.auth import ApiKeys
         from router.http_server import make_app
         from router.metrics import RouterMetrics
         from router.model_info import ModelInfo, load_tokenizer
@@ -80,7 +89,8 @@ class Router:
             from cluster.discovery import EtcdRegistry
             registry = EtcdRegistry(config.etcd, cluster=config.cluster)
         self.registry = registry
-        self.app = make_app(self.service)
+        self.api_keys = ApiKeys(config.api_keys)
+        self.app = make_app(self.service, api_keys=self.api_keys, metrics_on=config.metrics)
         self._runner = None
         self._grpc = None
         self._feed: asyncio.Task | None = None
@@ -105,12 +115,15 @@ class Router:
         await site.start()
         bound = self._runner.addresses[0][1]                  # port 0: the one chosen
         self.http_url = f"http://{host}:{bound}"
-        self._grpc = GrpcFront(self.service, self.config.grpc_listen)
+        self._grpc = GrpcFront(self.service, self.config.grpc_listen, api_keys=self.api_keys,
+                               reflection_on=self.config.grpc_reflection)
         await self._grpc.start()
         ghost = self.config.grpc_listen.rpartition(":")[0]
         self.grpc_address = f"{ghost}:{self._grpc.port}"
-        log.info("router serving %r: HTTP %s, gRPC %s, policy %s, cluster %r", self.info.name,
-                 self.http_url, self.grpc_address, self.config.policy, self.config.cluster)
+        log.info("router serving %r: HTTP %s, gRPC %s, policy %s, cluster %r, API key %s",
+                 self.info.name, self.http_url, self.grpc_address, self.config.policy,
+                 self.config.cluster,
+                 f"required ({len(self.api_keys)} configured)" if self.api_keys else "not required")
         if self.config.ready_file:
             path = Path(self.config.ready_file)
             tmp = path.with_suffix(path.suffix + ".tmp")

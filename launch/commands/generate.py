@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--model", default="", help="model name (default: the cluster's only one)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    env_argument(p, "--api-key", "PDSERVE_API_KEY", default=None, metavar="KEY",
+                 help="the router's API key, sent as `authorization: Bearer KEY` (of a "
+                      "comma-separated list, the first)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
                     top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
     out = Completion()
     try:
-        with GenerationClient(args.router, timeout=args.timeout) as client:
+        key = next((k.strip() for k in (args.api_key or "").split(",") if k.strip()), None)
+        with GenerationClient(args.router, timeout=args.timeout, api_key=key) as client:
             for chunk in client.stream(args.prompt, model=args.model, **sampling):
                 out.add(chunk)
                 if args.stream:

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from launch.cli_common import CliError, env_argument
+from launch.cli_common import (
+    CliError,
+    env_argument,
+    env_bool_argument,
+    env_flag,
+    env_secret_list_argument,
+)
 
 HELP = "run a router (OpenAI HTTP + gRPC API) in front of the nodes"
 
@@ -44,6 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "(retrying with backoff) before it is answered 429")
     env_argument(p, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write {\"http\": URL, \"grpc\": ADDR} here once serving")
+    env_secret_list_argument(
+        p, "--api-key", "PDSERVE_API_KEY", metavar="KEY",
+        help="require this key from clients (HTTP `Authorization: Bearer KEY`, gRPC metadata "
+             "`authorization: Bearer KEY`); repeat the flag or separate keys with commas for "
+             "several; /health and gRPC health stay open (default: no key, open). Prefer the "
+             "env variable: flags show in the process list")
+    env_bool_argument(p, "--metrics", "PDSERVE_METRICS", default=True,
+                      help="serve Prometheus /metrics on the HTTP port (open, without a key)")
+    env_flag(p, "--grpc-reflection", "PDSERVE_GRPC_REFLECTION",
+             help="enable gRPC server reflection (lists the API to clients; default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
                               cluster=args.cluster, policy=args.policy,
                               max_model_len=args.max_model_len, max_attempts=args.max_attempts,
                               stall_timeout_s=args.stall_timeout,
-                              queue_timeout_s=args.queue_timeout, ready_file=args.ready_file)
+                              queue_timeout_s=args.queue_timeout, ready_file=args.ready_file,
+                              api_keys=tuple(args.api_key), metrics=args.metrics,
+                              grpc_reflection=args.grpc_reflection)
         asyncio.run(serve(config))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

@@ -27,11 +27,11 @@ def model_dir(tmp_path_factory):
     return make_router_model_dir(tmp_path_factory.mktemp("router-model"))
 
 
-def _with_front(model_dir, backend, fn):
+def _with_front(model_dir, backend, fn, **front_options):
     async def main():
         info = ModelInfo.from_folder(model_dir, name="tiny")
         service = RouterService(info, Tokenizer(model_dir), backend, RouterMetrics(NodePool()))
-        front = GrpcFront(service, "127.0.0.1:0")
+        front = GrpcFront(service, "127.0.0.1:0", **front_options)
         await front.start()
         await asyncio.sleep(0.3)               # the health follower's first pass
         try:
@@ -104,7 +104,7 @@ def test_bad_sampling_param_names_the_field(model_dir):
 
     err = _with_front(model_dir, ScriptedBackend(TOKENS), go)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details().startswith("top_p must be in (0, 1]")
+    assert err.details() == "top_p must be in (0, 1], got 1.5"
 
 
 def test_no_node_is_unavailable_and_health_follows_readiness(model_dir):
@@ -124,7 +124,7 @@ def test_no_node_is_unavailable_and_health_follows_readiness(model_dir):
 
     status, names, err = _with_front(
         model_dir, ScriptedBackend(TOKENS, error=NoNodeAvailable("no decode node is available")),
-        go)
+        go, reflection_on=True)
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert "pdserve.v1.Generation" in names and "grpc.health.v1.Health" in names
     assert err.code() == grpc.StatusCode.UNAVAILABLE
