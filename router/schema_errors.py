@@ -26,7 +26,8 @@ _PREDICATES = {
     "greater_than": "must be > {gt}",
     "less_than_equal": "must be <= {le}",
     "less_than": "must be < {lt}",
-    "too_short": "must have at least {min_length} item(s)",
+    "too_short": "must have at least {min_length} items",
+    "empty_list": "must be a non-empty list",
     "too_long": "must have at most {max_length} items",
     "string_too_short": "must not be empty",
     "string_too_long": "must be at most {max_length} characters",
@@ -66,6 +67,8 @@ def to_invalid(exc: ValidationError) -> InvalidRequest:
     kind = err["type"]
     if kind in ("too_short", "too_long") and isinstance(err.get("input"), str):
         kind = f"string_{kind}"               # a length rule applied after our str checks
+    if kind == "too_short" and ctx.get("min_length") == 1:
+        kind = "empty_list"
     template = _PREDICATES.get(kind)
     if template is not None:
         predicate = template.format(**ctx)

@@ -214,7 +214,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": list(range(3, 67))}, "prompt",
      "64 tokens, but the model's maximum length is 64"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages",
-     "messages must have at least 1 item(s)"),
+     "messages must be a non-empty list"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard",
                                                             "content": "x"}]},
      "messages", "messages[0].role must be one of"),
