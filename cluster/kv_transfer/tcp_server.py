@@ -71,6 +71,7 @@ class TcpKvServer:
         self._lock = threading.Lock()                 # guards _conns
         self._pool = ThreadPoolExecutor(self.limits.max_connections, "kv-tcp-conn")
         self.refused = 0            # connections turned away at the cap
+        self.peak = 0               # most connections served at once
         self.pushes = 0             # pushes accepted and admitted over this plane
 
     @property
@@ -119,6 +120,7 @@ class TcpKvServer:
                 c = None if full else _Conn(sock, self.QUEUE_DEPTH)
                 if c is not None:
                     self._conns.add(c)
+                    self.peak = max(self.peak, len(self._conns))
             if c is None:
                 self.refused += 1
                 _refuse(sock)

@@ -72,14 +72,18 @@ class PdPair:
                 self.decode.engine.load().free_blocks)
 
     async def generate(self, rid: str, prompt: list[int], params, lease_ms: int = 0,
-                       prefill_tamper=None):
+                       prefill_tamper=None, before_prefill=None):
         """Decode stream + prefill, as a router does. Returns (tokens, logprob entries,
-        finish reason); raises RpcError from either side."""
+        finish reason); raises RpcError from either side. before_prefill: an async
+        callable given the Reservation, awaited before the Prefill call (an attacker's
+        moment)."""
         stream = self.decode.service.Decode(node_pb2.ReserveRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
             lease_ms=lease_ms), FakeContext())
         first = await anext(stream)
         res = first.reservation
+        if before_prefill is not None:
+            await before_prefill(res)
         req = node_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
             decode_address=DECODE_ADDRESS, reservation_id=res.reservation_id,
@@ -89,20 +93,25 @@ class PdPair:
             prefill_tamper(req)
         prefill = asyncio.ensure_future(self.prefill.service.Prefill(req, FakeContext()))
         tokens, logprobs, finish = [], [], None
-        stream_error = prefill_error = None
-        try:
+
+        async def read() -> None:
+            nonlocal finish
             async for ev in stream:
-                tokens += ev.tokens.token_ids
-                logprobs += logprobs_from_proto(ev.tokens.logprobs)
+                tokens.extend(ev.tokens.token_ids)
+                logprobs.extend(logprobs_from_proto(ev.tokens.logprobs))
                 if ev.tokens.finish_reason:
                     finish = FINISH_NAMES[ev.tokens.finish_reason]
-        except RpcError as exc:
-            stream_error = exc
-        try:
-            await prefill
-        except RpcError as exc:
-            prefill_error = exc
+        reader = asyncio.ensure_future(read())
+        await asyncio.wait({reader, prefill}, return_when=asyncio.FIRST_EXCEPTION)
+        if prefill.done() and prefill.exception() is not None and not reader.done():
+            reader.cancel()         # as a router does: a failed prefill ends the attempt
+        stream_out, prefill_out = await asyncio.gather(reader, prefill, return_exceptions=True)
+        for out in (prefill_out, stream_out):
+            if isinstance(out, BaseException) and not isinstance(
+                    out, (RpcError, asyncio.CancelledError)):
+                raise out
         # the prefill's error is the cause; the decode stream's ABORTED its consequence
-        if prefill_error is not None or stream_error is not None:
-            raise prefill_error or stream_error
+        for out in (prefill_out, stream_out):
+            if isinstance(out, RpcError):
+                raise out
         return tokens, logprobs, finish
