@@ -16,6 +16,7 @@ from engine.pd_decode import (
     CapacityError,
     Draining,
     KvReceiver,
+    PushDenied,
     PushRejected,
     ReleaseReason,
     ReservationState,
@@ -231,3 +232,35 @@ def test_drain_releases_unstarted_reservations_and_refuses_new_ones(rx):
     seq = rx.complete(busy.reservation_id, 7, token=busy.token).result(timeout=0)
     assert busy.state is ReservationState.ADMITTED and not seq.is_finished
     assert bm.num_free_blocks == free0 - len(busy.block_ids)
+
+
+@pytest.mark.parametrize("token", [b"", b"\0" * 32, "other"])
+def test_wrong_token_is_denied_and_changes_nothing(rx, token):
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
+    other = _reserve(rx, "b", [5, 6, 7], _greedy())
+    token = other.token if token == "other" else token
+    ids = res.push_block_ids
+    t = _chunk(rx, len(ids), 9.0)
+    before = _snapshot(rx)
+    with pytest.raises(PushDenied, match="push token"):
+        rx.write(res.reservation_id, 0, KEY, ids, list(t.shape), "float32", _bytes(t),
+                 token=token)
+    with pytest.raises(PushDenied):
+        rx.complete(res.reservation_id, 7, token=token)
+    with pytest.raises(PushDenied, match="does not belong to request 'b'"):
+        rx.authorize(res.reservation_id, res.token, request_id="b")
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(rx), strict=True))
+    assert res.state is ReservationState.RESERVED and res.chunks_received == 0
+    assert rx.denied == 3 and rx.authorize(res.reservation_id, res.token, "a") is res
+
+
+def test_lease_is_clamped_to_the_maximum(folder):
+    eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=BS,
+                                 num_gpu_blocks=32, max_num_seqs=3))
+    rx = KvReceiver(eng, default_lease_s=10.0, max_lease_s=60.0)
+    assert [rx.lease_for(x) for x in (None, 0, 5.0, 30.0, 49 * 86400.0)] == \
+        [10.0, 10.0, 5.0, 30.0, 60.0]
+    res = _reserve(rx, "a", [5, 6, 7], _greedy(), lease_s=49 * 86400.0)
+    assert res.lease_s == 60.0 and rx.expire(now=res.deadline) == [res]
+    with pytest.raises(ValueError, match="below the default"):
+        KvReceiver(eng, default_lease_s=30.0, max_lease_s=5.0)
