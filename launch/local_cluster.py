@@ -4,6 +4,11 @@ one router. Used by `pdserve up` and by the integration tests.
 Children get their own session (process group), so a Ctrl-C reaches only the launcher, which
 then stops them in order: the router first (no new requests), then the nodes (SIGTERM drains
 them), then etcd. Everything is stopped by the PIDs recorded here, nothing by name.
+
+Once started, `dead_children()` (polled by `pdserve up`) supervises: a node that crashed is
+restarted with backoff on a fresh port (launch/supervisor.py) and only the children the
+cluster cannot go on without are returned. Tests that kill nodes on purpose and never poll
+it get no restarts.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _say(message: str) -> None:
+    print(f"pdserve: {message}", flush=True)
+
+
 @dataclass
 class Child:
     name: str
@@ -28,9 +37,11 @@ class Child:
     log_path: Path
     ready_file: Path | None = None
     proc: subprocess.Popen | None = None
+    role: str = ""                  # nodes: "prefill" | "decode" (what a restart rebuilds)
 
-    def start(self, env: dict) -> Child:
-        with open(self.log_path, "wb") as log:
+    def start(self, env: dict, append: bool = False) -> Child:
+        # a restarted node appends, so its log keeps what the last life said before dying
+        with open(self.log_path, "ab" if append else "wb") as log:
             self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
@@ -80,6 +91,7 @@ class LocalClusterConfig:
     router_args: list[str] = field(default_factory=list)
     lease_ttl: int = 3
     run_dir: Path | None = None
+    restart_nodes: bool = True      # dead_children() restarts crashed nodes
 
 
 class LocalCluster:
@@ -96,6 +108,8 @@ class LocalCluster:
         self.etcd = EtcdServer(self.run_dir / "etcd")
         self.nodes: list[Child] = []
         self.router: Child | None = None
+        self.supervisor = None          # a Supervisor once start() succeeded
+        self.notify = _say
         self.http_url = ""
         self.grpc_address = ""
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -105,23 +119,37 @@ class LocalCluster:
     def _cli(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "launch.cli", *args]
 
-    def add_node(self, role: str, index: int | None = None) -> Child:
+    def _node_cmd(self, role: str, name: str, ready: Path) -> list[str]:
         from launch.etcd_server import free_port
 
+        return self._cli(role, "--listen", f"127.0.0.1:{free_port()}", "--etcd",
+                         self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id",
+                         name, "--lease-ttl", str(self.config.lease_ttl), "--ready-file",
+                         str(ready), "--model", self.config.model, *self.config.node_args,
+                         *(self.config.decode_args if role == "decode"
+                           else self.config.prefill_args))
+
+    def add_node(self, role: str, index: int | None = None) -> Child:
         index = index if index is not None else sum(1 for n in self.nodes
                                                     if n.name.startswith(role))
         name = f"{role}-{index}"
         ready = self.run_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
-        cmd = self._cli(role, "--listen", f"127.0.0.1:{free_port()}", "--etcd",
-                        self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id", name,
-                        "--lease-ttl", str(self.config.lease_ttl), "--ready-file", str(ready),
-                        "--model", self.config.model, *self.config.node_args,
-                        *(self.config.decode_args if role == "decode"
-                          else self.config.prefill_args))
-        child = Child(name, cmd, self.run_dir / f"{name}.log", ready).start(self.env)
+        child = Child(name, self._node_cmd(role, name, ready), self.run_dir / f"{name}.log",
+                      ready, role=role).start(self.env)
         self.nodes.append(child)
+        if self.supervisor is not None:
+            self.supervisor.watch_node(child)
         return child
+
+    def restart_node(self, child: Child) -> None:
+        """The same node id on a fresh port (the old one may be taken by now); the router
+        learns the new address and incarnation from etcd."""
+        child.ready_file.unlink(missing_ok=True)
+        child.cmd = self._node_cmd(child.role, child.name, child.ready_file)
+        with open(child.log_path, "ab") as log:
+            log.write(f"\n--- pdserve up: restarting {child.name} ---\n".encode())
+        child.start(self.env, append=True)
 
     def add_router(self, http_port: int, grpc_port: int, name: str = "router") -> Child:
         ready = self.run_dir / f"{name}.ready"
@@ -182,9 +210,26 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        if c.restart_nodes:
+            self._supervise()
         return self
 
+    def _supervise(self) -> None:
+        from launch.supervisor import Supervisor
+
+        self.supervisor = Supervisor(self.restart_node, notify=lambda m: self.notify(m))
+        etcd = Child("etcd", [], self.etcd.log_path, proc=self.etcd.proc)
+        for child in (etcd, self.router):
+            self.supervisor.watch_essential(child)
+        for node in self.nodes:
+            self.supervisor.watch_node(node)
+
     def dead_children(self) -> list[Child]:
+        """The children whose death stops the cluster. Supervised (the default once
+        started): restarts crashed nodes first and returns only the router, etcd or a
+        crash-looping node. Unsupervised: every child that is not running."""
+        if self.supervisor is not None:
+            return self.supervisor.poll()
         return [c for c in self.nodes + ([self.router] if self.router else []) if not c.alive()]
 
     def stop(self, timeout: float = 30.0) -> None:
