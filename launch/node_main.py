@@ -36,6 +36,27 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
         raise CliError(f"cannot load the model: {exc}") from None
 
 
+def load_kernels(device: str) -> dict[str, bool]:
+    """The CPU kernels the model will use, built or loaded before the node exists: a build
+    (minutes) or a wait on another process's build happens here, before the gRPC port opens
+    and the node registers, never under live requests. A build lock held too long by
+    another process ends the start with a message naming the lock and its holder."""
+    from engine.layers.cpu_extension import KernelBuildLockTimeout, preload
+    from engine.layers.kernel_options import KernelOptions
+
+    try:
+        options = KernelOptions.from_env().for_device(device)
+    except (RuntimeError, ValueError):
+        return {}       # a bad device is reported, with the flag's name, by build_node
+    try:
+        loaded = preload(options)
+    except (KernelBuildLockTimeout, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    for what, ok in loaded.items():
+        log.info("%s: %s", what, "loaded" if ok else "unavailable, the torch path runs")
+    return loaded
+
+
 def make_registry(args: argparse.Namespace):
     if str(args.etcd).strip().lower() in ("", "none", "off"):
         return None
@@ -99,5 +120,6 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     from cluster.node_server import default_node_id
 
     node_id = args.node_id or default_node_id(role)
+    load_kernels(args.device)
     node = build_node(role, args, node_id)
     return asyncio.run(serve(role, node, args, node_id))

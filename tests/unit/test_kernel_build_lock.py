@@ -1,0 +1,130 @@
+"""CPU kernel builds cannot hang a process: the build lock (an flock, freed by the kernel
+when its holder dies) is waited on for a bounded time, then refused with a message naming
+the lock and its holder; torch's own leftover lock file is removed; a node loads its
+kernels before it is built and serves."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from engine.layers import cpu_extension
+from engine.layers.cpu_extension import LOCK_NAME, KernelBuildLockTimeout, build_lock
+
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("held", flush=True)
+sys.stdin.read()            # hold until the test closes stdin (or kills us)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A live process holding the build lock of tmp_path/build, as a building node does."""
+    build = tmp_path / "build"
+    build.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(build / LOCK_NAME)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield build, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_a_live_holder_is_waited_for_then_refused_with_the_lock_and_its_holder(holder):
+    build, proc = holder
+    with pytest.raises(KernelBuildLockTimeout) as err:
+        with build_lock(build, timeout=0.3, what="test kernel"):
+            pytest.fail("acquired a lock another live process holds")
+    message = str(err.value)
+    assert str(build / LOCK_NAME) in message and f"pid {proc.pid}" in message
+    assert "stop it" in message and "PDSERVE_KERNEL_BUILD_TIMEOUT" in message
+
+
+def test_a_waiter_gets_the_lock_once_the_build_ends_or_its_holder_is_killed(holder):
+    build, proc = holder
+    acquired = threading.Event()
+
+    def wait_for_it():
+        with build_lock(build, timeout=60):
+            acquired.set()
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    assert not acquired.wait(0.3)          # still held: the waiter waits
+    proc.kill()                            # a build killed mid-way: the kernel frees it
+    waiter.join(60)
+    assert acquired.is_set()
+    with build_lock(build, timeout=1) as path:     # and it is free again afterwards
+        assert path.read_text().split()[0].isdigit()
+
+
+def test_torch_lock_file_left_by_a_killed_build_is_removed(tmp_path):
+    baton = tmp_path / "lock"            # torch's FileBaton, which it would wait on forever
+    baton.touch()
+    with build_lock(tmp_path, timeout=1):
+        assert not baton.exists()
+
+
+def test_extension_load_raises_instead_of_hanging_and_keeps_no_failure(holder, monkeypatch):
+    import torch.utils.cpp_extension as cpp
+
+    build, _ = holder
+    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(build))
+    monkeypatch.setattr(cpp, "load_inline",
+                        lambda **kw: pytest.fail("built while another process holds the lock"))
+    ext = cpu_extension.CpuExtension("pdserve_test_ext", "int f() { return 1; }", ["f"], [],
+                                     "test kernel")
+    assert ext.build_name().startswith("pdserve_test_ext_")
+    with pytest.raises(KernelBuildLockTimeout, match="test kernel"):
+        ext.load(build_lock_timeout=0.2)
+    assert ext.failed is None and ext.module is None   # the next start tries again
+
+
+def test_build_folder_names_differ_by_source(monkeypatch):
+    a = cpu_extension.CpuExtension("k", "int f() { return 1; }", ["f"], [], "k")
+    b = cpu_extension.CpuExtension("k", "int f() { return 2; }", ["f"], [], "k")
+    assert a.build_name() != b.build_name() and a.build_name() == a.build_name()
+
+
+def test_node_loads_its_kernels_before_the_node_is_built(monkeypatch):
+    from launch import node_main
+    from launch.cli_common import CliError
+
+    order: list[str] = []
+    monkeypatch.setattr(cpu_extension, "preload",
+                        lambda options: order.append(f"kernels:{options.cpu_fused_ops}") or {})
+    monkeypatch.setattr(node_main, "build_node", lambda role, args, node_id:
+                        order.append("build") or object())
+
+    async def serve(role, node, args, node_id):
+        order.append("serve")
+        return 0
+
+    monkeypatch.setattr(node_main, "serve", serve)
+    args = argparse.Namespace(node_id="d0", device="cpu")
+    assert node_main.run_node("decode", args) == 0
+    assert order == ["kernels:True", "build", "serve"]
+
+    def stuck(options):
+        raise KernelBuildLockTimeout("the build lock /x/pdserve-build.lock is still held")
+
+    monkeypatch.setattr(cpu_extension, "preload", stuck)
+    with pytest.raises(CliError, match="pdserve-build.lock"):
+        node_main.run_node("decode", args)
+
+
+def test_lock_timeout_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_BUILD_TIMEOUT", "12")
+    assert cpu_extension.lock_timeout() == 12.0
+    monkeypatch.setenv("PDSERVE_KERNEL_BUILD_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="PDSERVE_KERNEL_BUILD_TIMEOUT"):
+        cpu_extension.lock_timeout()
