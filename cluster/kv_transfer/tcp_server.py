@@ -136,6 +136,9 @@ class TcpKvServer:
             c.sock.sendall(READY)
             self._read(c)
         except Exception as exc:  # noqa: BLE001 - handed to the handler as the stream's end
+            # a refused chunk: the sender may still be sending, so close gracefully; a
+            # silent or vanished peer gets no such courtesy
+            c.early = not isinstance(exc, (TimeoutError, ConnectionError))
             self._put(c, exc)
         finally:
             try:
