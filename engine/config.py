@@ -35,6 +35,10 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int = 1
     speculative_model: str | None = None
+    # batch-invariant mode: a request's tokens (bf16 greedy included) are the same whatever
+    # runs beside it, however its prompt is chunked and whether its prefix was cached; CPU
+    # only, costs prefill speed (engine/layers/batch_invariant.py)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -66,6 +70,11 @@ class EngineConfig:
              f"got {self.num_speculative_tokens!r}")
         need(self.speculative_model is None or self.speculative_method is not None,
              "speculative_model needs speculative_method (e.g. 'mtp')")
+        need(not self.batch_invariant or self.device.split(":")[0] == "cpu",
+             f"batch_invariant runs on cpu only (its attention is the C++ paged kernel), "
+             f"got device {self.device!r}")
+        need(not (self.batch_invariant and self.speculative_method),
+             "batch_invariant with speculative decoding is not supported yet")
         need(self.enable_chunked_prefill or self.max_model_len is None
              or self.max_num_batched_tokens >= self.max_model_len,
              "without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
@@ -38,6 +39,7 @@ from engine.executor.graph_buckets import GraphOptions
 from engine.executor.graph_stats import executor_stats
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
+from engine.layers.kernel_options import KernelOptions
 from engine.logprobs import token_logprob
 from engine.models.loader import load_model
 from engine.output_processor import OutputProcessor
@@ -64,9 +66,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, self.device)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
+        kernels = replace(KernelOptions.from_env(), batch_invariant=config.batch_invariant)
         self.model, self.model_config = load_model(config.model, self.dtype,
                                                    self.device.torch_device,
-                                                   config.attention_backend)
+                                                   config.attention_backend, kernels)
         log.info("loaded %s (%s) in %.1fs", config.model, self.dtype, time.perf_counter() - t0)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,

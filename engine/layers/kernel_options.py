@@ -35,6 +35,11 @@ class KernelOptions:
     cpu_fused_ops: bool = True
     # torch decode path on CPU: two grouped matmuls (off: the SDPA kernel, as on GPUs)
     cpu_grouped_decode: bool = True
+    # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
+    # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
+    # reduction order, so a token's result never depends on its batch, its prompt's
+    # chunking or a prefix-cache hit; and Linear without its batch-size-dependent path
+    batch_invariant: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:

@@ -20,7 +20,15 @@ SMALL_ROWS = (2, 4)     # inclusive row range taking the W @ x^T path
 
 
 class Linear(nn.Linear):
+    # set per instance by the loader in batch-invariant mode (engine/layers/
+    # batch_invariant.py): a row's result must not depend on how many rows share the
+    # call, so no reroute, and every call padded to a multiple of `row_multiple` rows
+    batch_invariant = False
+    row_multiple = 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.dim() == 2:
+            return padded_linear(x, self.weight, self.bias, self.row_multiple)
         if (x.dim() == 2 and SMALL_ROWS[0] <= x.shape[0] <= SMALL_ROWS[1]
                 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):
@@ -29,3 +37,13 @@ class Linear(nn.Linear):
                 y = y + self.bias
             return y.contiguous()
         return F.linear(x, self.weight, self.bias)
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias, multiple: int) -> torch.Tensor:
+    """F.linear over x's rows padded with zeros to a multiple of `multiple` rows."""
+    n = x.shape[0]
+    extra = -n % multiple
+    if extra:
+        x = torch.cat([x, x.new_zeros(extra, x.shape[1])])
+    y = F.linear(x, weight, bias)
+    return y[:n] if extra else y

@@ -57,6 +57,12 @@ class SdpaAttention:
                                and cpu_paged_attention.kernel() is not None)
         self.grouped_decode = kernels.cpu_grouped_decode
         self.fused_write = kernels.cpu_fused_ops and cpu_fused_ops.available()
+        self.rowwise_prefill = kernels.batch_invariant
+        if self.rowwise_prefill and not self.use_cpu_kernel:
+            raise RuntimeError(
+                "batch_invariant needs the CPU paged attention kernel (a CPU device, the "
+                "kernel built, PDSERVE_CPU_ATTENTION_KERNEL not 0); here it is "
+                f"{cpu_paged_attention.EXTENSION.failed or 'switched off'}")
 
     def prepare(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
         """The plan of one forward over `meta`, for layers whose caches are like
@@ -154,6 +160,8 @@ class SdpaAttention:
         return o.permute(1, 3, 0, 2, 4).reshape(b * rows, hq, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
+        if self.rowwise_prefill and k_cache.dtype in KERNEL_DTYPES:
+            return self._prefill_rowwise(q, k_cache, v_cache, meta, out)
         hk, _, bs, d = k_cache.shape
         tok = meta.num_decode_tokens
         first = meta.num_decodes
@@ -178,3 +186,21 @@ class SdpaAttention:
                                                    scale=self.scale, enable_gqa=True)
             out[tok:tok + n] = o[0].transpose(0, 1)
             tok += n
+
+    def _prefill_rowwise(self, q, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
+        """Batch-invariant prefill: each new token is a decode row of KV length position+1
+        (its K/V are in the cache already), so its attention is computed exactly as it
+        would be in any other chunking, batch or decode step. SDPA's blocking depends on
+        the query and KV lengths of the call, which vary with those."""
+        first, tok0 = meta.num_decodes, meta.num_decode_tokens
+        seqs = range(first, first + meta.num_prefills)
+        counts = [meta.query_lens_host[i] for i in seqs]
+        tables = meta.block_tables[first:first + meta.num_prefills].repeat_interleave(
+            torch.tensor(counts, device=meta.block_tables.device), dim=0).contiguous()
+        kv_lens = torch.tensor([c + j + 1 for i in seqs
+                                for c in (meta.context_lens_host[i],)
+                                for j in range(meta.query_lens_host[i])],
+                               dtype=torch.int32, device=q.device)
+        n = sum(counts)
+        out[tok0:tok0 + n] = cpu_paged_attention.paged_decode_attention(
+            q[tok0:tok0 + n], k_cache, v_cache, tables, kv_lens, 1, self.scale)

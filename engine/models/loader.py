@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.layers import batch_invariant
 from engine.layers.kernel_options import KernelOptions
 from engine.models.model_config import ModelConfig
 from engine.models.registry import model_class
@@ -90,6 +91,8 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
                                           if len(missing) > 8 else "")
         raise ValueError(f"model folder {folder} is missing weights: {shown}")
+    if kernels.batch_invariant:
+        batch_invariant.enable(model)
     return model.eval(), cfg
 
 

@@ -48,6 +48,9 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
     env_flag(eng, "--no-prefix-caching", "PDSERVE_NO_PREFIX_CACHING",
              help="disable the prefix cache")
     env_argument(eng, "--seed", "PDSERVE_SEED", default=0, type=int)
+    env_flag(eng, "--batch-invariant", "PDSERVE_BATCH_INVARIANT",
+             help="a request's tokens do not depend on what runs beside it (bf16 greedy "
+                  "reproducible under load; cpu only, slower prefill)")
 
     fast = p.add_argument_group("graphs and speculative decoding")
     env_flag(fast, "--enable-graph", "PDSERVE_ENABLE_GRAPH",
@@ -91,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        batch_invariant=args.batch_invariant,
                         enable_graph=args.enable_graph,
                         graph_max_batch_size=args.graph_max_batch_size,
                         speculative_method=SPECULATIVE_METHODS[
