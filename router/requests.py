@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from engine.sampling_params import SamplingParams
@@ -32,9 +32,19 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's and vLLM's default for co
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+def new_internal_id() -> str:
+    """The router's own id for a request: 128 random bits, never taken from a client."""
+    return uuid.uuid4().hex
+
+
 @dataclass
 class ParsedRequest:
-    """One client request: one prompt per choice, shared sampling parameters."""
+    """One client request: one prompt per choice, shared sampling parameters.
+
+    `request_id` is the client's (X-Request-Id / request_id) or a fresh one: it is only
+    echoed back and written to logs. Everything sent to the nodes is named by `internal_id`,
+    made here for every request, because two clients may choose the same id and the nodes
+    key requests, reservations and aborts by the id they are sent."""
     kind: str                             # "completion" | "chat"
     request_id: str
     model: str
@@ -46,6 +56,7 @@ class ParsedRequest:
     echo: bool = False
     # vLLM's extension: token ids in the response (choices[].token_ids, prompt_token_ids)
     return_token_ids: bool = False
+    internal_id: str = field(default_factory=new_internal_id)
 
 
 def new_request_id() -> str:

@@ -50,15 +50,19 @@ class RequestRun:
 
     def _choice(self, index: int) -> AsyncIterator[Delta]:
         req = self.req
-        rid = req.request_id if len(req.prompts) == 1 else f"{req.request_id}-{index}"
+        # The nodes see the router's internal id only: a client's id is not unique, and an
+        # id shared with another request would let one abort or join the other there.
+        rid = req.internal_id if len(req.prompts) == 1 else f"{req.internal_id}-{index}"
         node_req = NodeRequest(rid, req.prompts[index], req.params[index])
         return stream_request(self.service.backend, self.service.tokenizer, node_req,
                               self.results[index], lambda n: self._on_tokens(index, n))
 
     async def events(self) -> AsyncIterator[tuple[int, Delta]]:
         status = "ok"
-        log.info("[%s] %s: %d prompt(s), %s prompt tokens", self.req.request_id,
-                 self.endpoint, len(self.req.prompts), [len(p) for p in self.req.prompts])
+        # The one line that ties the client's id to the internal one the node logs use.
+        log.info("[%s] %s: %d prompt(s), %s prompt tokens, internal id %s", self.req.request_id,
+                 self.endpoint, len(self.req.prompts), [len(p) for p in self.req.prompts],
+                 self.req.internal_id)
         self.service.metrics.prompt_tokens.inc(sum(len(p) for p in self.req.prompts))
         try:
             if len(self.req.prompts) == 1:
