@@ -5,10 +5,10 @@ Children get their own session (process group), so a Ctrl-C reaches only the lau
 then stops them in order: the router first (no new requests), then the nodes (SIGTERM drains
 them), then etcd. Everything is stopped by the PIDs recorded here, nothing by name.
 
-Once started, `dead_children()` (polled by `pdserve up`) supervises: a node that crashed is
-restarted with backoff on a fresh port (launch/supervisor.py) and only the children the
-cluster cannot go on without are returned. Tests that kill nodes on purpose and never poll
-it get no restarts.
+Once started, `supervise()` (polled by `pdserve up`) restarts a node that crashed, with
+backoff on a fresh port (launch/supervisor.py), and returns only the children the cluster
+cannot go on without. `dead_children()` only reports, never restarts: tests that kill nodes
+on purpose use it (or nothing) and see their nodes stay dead.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class LocalClusterConfig:
     router_args: list[str] = field(default_factory=list)
     lease_ttl: int = 3
     run_dir: Path | None = None
-    restart_nodes: bool = True      # dead_children() restarts crashed nodes
+    restart_nodes: bool = True      # supervise() restarts crashed nodes
 
 
 class LocalCluster:
@@ -224,12 +224,19 @@ class LocalCluster:
         for node in self.nodes:
             self.supervisor.watch_node(node)
 
-    def dead_children(self) -> list[Child]:
-        """The children whose death stops the cluster. Supervised (the default once
-        started): restarts crashed nodes first and returns only the router, etcd or a
-        crash-looping node. Unsupervised: every child that is not running."""
+    def supervise(self) -> list[Child]:
+        """One supervision round, for the owner's loop (`pdserve up`): restart the crashed
+        nodes whose backoff is over, then return the children whose loss ends the cluster
+        (the router, etcd, a crash-looping node); empty while it can go on. Without a
+        supervisor (`restart_nodes=False`, or before start() succeeded) nothing is restarted
+        and every child that is not running ends it: `dead_children()`."""
         if self.supervisor is not None:
             return self.supervisor.poll()
+        return self.dead_children()
+
+    def dead_children(self) -> list[Child]:
+        """Every node or router process that is not running. Only reports: a node killed on
+        purpose (fault tests) stays dead, whether or not the cluster is supervised."""
         return [c for c in self.nodes + ([self.router] if self.router else []) if not c.alive()]
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -13,7 +13,7 @@ while the rest of the cluster keeps serving; the cluster stops only when it cann
 - The router or etcd dying ends the cluster: nothing serves without them.
 
 The supervisor is synchronous: `poll()` does one round and returns the children whose loss
-is fatal; the owner's loop calls it (LocalCluster.dead_children, polled by `pdserve up`).
+is fatal; the owner's loop calls it (LocalCluster.supervise, polled by `pdserve up`).
 """
 
 from __future__ import annotations

@@ -118,10 +118,11 @@ def run(args: argparse.Namespace) -> int:
         started = True
         print(_banner(cluster, name), flush=True)
         while not stopping:
-            dead = cluster.dead_children()
-            if dead:
-                print(f"pdserve: {dead[0].name} exited unexpectedly; its log:\n"
-                      f"{dead[0].log_tail()}", flush=True)
+            # Restarts crashed nodes; returns only what the cluster cannot go on without.
+            fatal = cluster.supervise()
+            if fatal:
+                print(f"pdserve: {fatal[0].name} exited unexpectedly; its log:\n"
+                      f"{fatal[0].log_tail()}", flush=True)
                 return 1
             time.sleep(0.5)
         print("\nstopping ...", flush=True)
