@@ -24,7 +24,8 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
     env_argument(net, "--lease-ttl", "PDSERVE_LEASE_TTL", default=5, type=int, metavar="S",
                  help="etcd lease TTL in seconds (the liveness signal)")
     env_argument(net, "--load-interval", "PDSERVE_LOAD_INTERVAL", default=0.5, type=float,
-                 metavar="S", help="how often the load figures are published")
+                 metavar="S", help="how often the load is sampled; it is published "
+                 "only when it changed, at most once per second (etcd keeps every write)")
     env_argument(net, "--drain-timeout", "PDSERVE_DRAIN_TIMEOUT", default=30.0, type=float,
                  metavar="S", help="on SIGTERM, how long in-flight requests may take")
     env_argument(net, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
