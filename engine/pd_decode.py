@@ -284,6 +284,14 @@ class KvReceiver:
         log.warning("reservation %s: call refused: %s", reservation_id, why)
         raise PushDenied(f"reservation {reservation_id!r}: {why}")
 
+    def renew(self, reservation_id: str, token: bytes) -> None:
+        """The push of this reservation is alive (a keepalive, a chunk): its lease runs
+        from now again. A prefill that merely waits in its node's queue keeps its
+        reservation; a silent (hung, dead) one still loses it after one lease."""
+        res = self.authorize(reservation_id, token)
+        # one float store: `expire` reads it unlocked, and sees the old or the new deadline
+        res.deadline = max(res.deadline, time.monotonic() + res.lease_s)
+
     def write(self, reservation_id: str, layer: int, kind: int, block_ids: list[int],
               shape: list[int], dtype: str, data: bytes | memoryview, *, token: bytes
               ) -> None:

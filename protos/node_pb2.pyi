@@ -189,15 +189,21 @@ class PushDone(_message.Message):
     num_chunks: int
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., mtp: _Optional[_Union[MtpPayload, _Mapping]] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
+class PushKeepalive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class KvPushMessage(_message.Message):
-    __slots__ = ("header", "chunk", "done")
+    __slots__ = ("header", "chunk", "done", "keepalive")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: KvChunk
     done: PushDone
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., done: _Optional[_Union[PushDone, _Mapping]] = ...) -> None: ...
+    keepalive: PushKeepalive
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., done: _Optional[_Union[PushDone, _Mapping]] = ..., keepalive: _Optional[_Union[PushKeepalive, _Mapping]] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("bytes_received", "num_chunks")

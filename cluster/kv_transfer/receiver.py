@@ -69,7 +69,10 @@ class PushHandler:
             async for item in messages:
                 msg, data = item if isinstance(item, tuple) else (item, None)
                 which = msg.WhichOneof("msg")
-                if which == "chunk" and data is WRITTEN:
+                if which == "keepalive":
+                    self.receiver.renew(header.reservation_id, token)
+                elif which == "chunk" and data is WRITTEN:
+                    self.receiver.renew(header.reservation_id, token)
                     chunks += 1
                 elif which == "chunk":
                     c = msg.chunk
@@ -81,6 +84,7 @@ class PushHandler:
                         await asyncio.to_thread(self.receiver.write, *args, token=token)
                     else:
                         self.receiver.write(*args, token=token)
+                    self.receiver.renew(header.reservation_id, token)
                     chunks += 1
                 elif which == "done":
                     done = msg.done

@@ -42,6 +42,10 @@ class PushError:
 
 PushEvent = LayerReady | FirstToken | PushError
 
+# A push silent this long sends a keepalive, which renews the decode node's lease: well
+# under any lease (the router asks for 30 s), so only a hung or dead sender loses one.
+KEEPALIVE_S = 2.0
+
 
 class PushSender:
     """One request's push. The on_* methods run on the engine thread and only enqueue."""
@@ -63,6 +67,7 @@ class PushSender:
         self.num_bytes = 0
         self.blocks_pushed: set[int] = set()
         self.token_ready = asyncio.Event()
+        self.keepalive_s = KEEPALIVE_S
 
     # ---- engine thread (KvSink) ----------------------------------------------------
     def _put(self, event: PushEvent) -> None:
@@ -87,7 +92,12 @@ class PushSender:
     async def messages(self) -> AsyncIterator:
         yield node_pb2.KvPushMessage(header=self.header)
         while True:
-            event: PushEvent = await self._queue.get()
+            try:
+                event: PushEvent = await asyncio.wait_for(self._queue.get(),
+                                                          self.keepalive_s)
+            except TimeoutError:      # queued or computing: tell the decode node we live
+                yield node_pb2.KvPushMessage(keepalive=node_pb2.PushKeepalive())
+                continue
             if isinstance(event, LayerReady):
                 if event.ready is not None:
                     await asyncio.to_thread(event.ready.synchronize)

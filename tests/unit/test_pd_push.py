@@ -180,3 +180,51 @@ def test_tcp_data_plane_refusal_carries_the_status(folder):
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "[95] are not reserved for this push" in info.value.details
     run(_with_pair(folder, body, tcp=True))
+
+
+def test_keepalives_hold_the_lease_while_the_prefill_waits(folder):
+    """A push whose header came but whose prefill is still queued sends keepalives; they
+    renew the lease (300 ms here) for as long as they come, and silence still ends it."""
+    async def body(pair):
+        svc = pair.decode.service
+        stream = svc.Decode(node_pb2.ReserveRequest(
+            request_id="r", prompt_token_ids=list(range(3, 20)), lease_ms=300), FakeContext())
+        res = (await anext(stream)).reservation
+        receiver = pair.decode.receiver
+        quiet = asyncio.Event()
+
+        async def messages():                    # a prefill queued for 1.5 s, then silent
+            yield node_pb2.KvPushMessage(header=node_pb2.PushHeader(
+                request_id="r", reservation_id=res.reservation_id,
+                fingerprint=res.fingerprint, block_ids=res.block_ids,
+                push_token=res.push_token))
+            for _ in range(15):
+                await asyncio.sleep(0.1)
+                yield node_pb2.KvPushMessage(keepalive=node_pb2.PushKeepalive())
+            # still held after 5 leases' worth of waiting
+            assert res.reservation_id in receiver.reservations
+            quiet.set()
+            await asyncio.Event().wait()
+        push = asyncio.ensure_future(pair.transport.push(DECODE_ADDRESS, messages()))
+        await quiet.wait()
+        with pytest.raises(RpcError) as info:
+            await asyncio.wait_for(anext(stream), 5)
+        assert info.value.code == grpc.StatusCode.ABORTED and "lease expired" in info.value.details
+        push.cancel()
+        await asyncio.gather(push, return_exceptions=True)
+        assert receiver.transitions[("released", "lease expired")] == 1
+    run(_with_pair(folder, body))
+
+
+def test_an_idle_sender_sends_keepalives():
+    from cluster.kv_transfer.sender import PushSender
+
+    async def body():
+        sender = PushSender(asyncio.get_running_loop(), node_pb2.PushHeader(request_id="r"),
+                            "float32")
+        sender.keepalive_s = 0.01
+        msgs = sender.messages()
+        kinds = [(await anext(msgs)).WhichOneof("msg") for _ in range(4)]
+        await msgs.aclose()
+        return kinds
+    assert run(body()) == ["header", "keepalive", "keepalive", "keepalive"]
