@@ -9,6 +9,9 @@
    decode node validates every chunk and writes it into its cache. Peer: a raw TCP socket
    moving the same number of bytes, in the same chunk size, to a receiver process that
    reads them into a buffer. Reported: GB/s of both and the ratio (target >= 50%).
+   With TLS: a second decode node started with the cluster's mutual TLS (a throw-away CA
+   made in the run's folder), the same pushes over TLS, and the cost of TLS on each
+   transport (target: the TCP data plane loses at most 20%).
 2. Time to first token of a --prompt-len prompt. PD: the bench drives a prefill node and a
    decode node (both real processes) with the router's PdBackend over a static pool
    (Decode -> reservation -> Prefill, layer-wise push, first token streamed by the decode
@@ -38,11 +41,13 @@ CHUNK = 4 << 20
 
 
 # ---- node processes -----------------------------------------------------------------------
-def start_node(role: str, model: str, opts: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_node(role: str, model: str, opts: list[str], tmp: Path,
+               name: str | None = None) -> tuple[subprocess.Popen, str]:
     from launch.etcd_server import free_port
     port = free_port()
-    ready = tmp / f"{role}.ready"
-    log = open(tmp / f"{role}.log", "wb")  # noqa: SIM115
+    name = name or role
+    ready = tmp / f"{name}.ready"
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", role, "--listen",
                              f"127.0.0.1:{port}", "--etcd", "none", "--ready-file", str(ready),
                              "--model", model, *opts], cwd=ROOT, stdout=log,
@@ -50,9 +55,13 @@ def start_node(role: str, model: str, opts: list[str], tmp: Path) -> tuple[subpr
     deadline = time.monotonic() + 300
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{role} node failed: {(tmp / f'{role}.log').read_text()[-2000:]}")
+            raise RuntimeError(f"{name} node failed: {(tmp / f'{name}.log').read_text()[-2000:]}")
         time.sleep(0.1)
     return proc, ready.read_text().strip()
+
+
+def tls_flags(tls) -> list[str]:
+    return ["--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key]
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -110,22 +119,24 @@ async def _aiter(items):
         yield item
 
 
-async def push_seconds(decode_addr: str, prompt: list[int], repeats: int, transport_name: str):
+async def push_seconds(decode_addr: str, prompt: list[int], repeats: int, transport_name: str,
+                       tls=None):
     """Times KvTransport.push of a whole prompt's KV (random bytes) into a real decode
-    node: its reservation, validation and cache writes included."""
-    import grpc
+    node: its reservation, validation and cache writes included. tls: a TlsConfig for a
+    decode node started with mutual TLS."""
     import torch
 
     from cluster.kv_transfer.base import GRPC_OPTIONS
     from cluster.kv_transfer.codec import layer_chunk_parts, tensor_bytes, tensor_view
-    from cluster.kv_transfer.grpc_transport import GrpcTransport
+    from cluster.kv_transfer.grpc_transport import GrpcTransport, open_channel
     from cluster.kv_transfer.tcp_transport import TcpTransport
     from cluster.proto_convert import fingerprint_from_proto, sampling_to_proto
     from engine.sampling_params import SamplingParams
     from protos import node_pb2, node_pb2_grpc
 
-    transport = TcpTransport() if transport_name == "tcp" else GrpcTransport()
-    async with grpc.aio.insecure_channel(decode_addr, GRPC_OPTIONS) as ch:
+    grpc_transport = GrpcTransport(tls=tls)
+    transport = TcpTransport(grpc_transport) if transport_name == "tcp" else grpc_transport
+    async with open_channel(decode_addr, tls, GRPC_OPTIONS) as ch:
         stub = node_pb2_grpc.DecodeNodeStub(ch)
         times, nbytes, payload = [], 0, None
         for r in range(repeats + 1):                      # the first run warms up
@@ -141,7 +152,7 @@ async def push_seconds(decode_addr: str, prompt: list[int], repeats: int, transp
                      for p in layer_chunk_parts(layer, ids, layer_kv, layer_kv, fp.dtype, CHUNK)]
             items = [node_pb2.KvPushMessage(header=node_pb2.PushHeader(
                 request_id=call_id(transport_name, r), reservation_id=res.reservation_id,
-                fingerprint=res.fingerprint, block_ids=ids))]
+                fingerprint=res.fingerprint, block_ids=ids, push_token=res.push_token))]
             if transport_name == "tcp":       # what PushSender yields for a raw transport
                 items += [(node_pb2.KvPushMessage(chunk=m), tensor_view(t)) for m, t in parts]
             else:
@@ -250,7 +261,11 @@ def main() -> int:
     prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)]
                for _ in range(args.repeats + 1)]
     with tempfile.TemporaryDirectory() as tmp:
+        from cluster.tls import write_cluster_certs
+        tls = write_cluster_certs(Path(tmp) / "tls", ["decode", "bench"])
         decode, d_addr = start_node("decode", model, opts, Path(tmp))
+        decode_tls, d_tls_addr = start_node("decode", model, [*opts, *tls_flags(tls["decode"])],
+                                            Path(tmp), name="decode-tls")
         prefill = None
         try:
             runs = {}
@@ -259,6 +274,9 @@ def main() -> int:
                     t, nbytes, payload = asyncio.run(push_seconds(d_addr, prompts[0],
                                                                   args.repeats, name))
                     runs.setdefault(name, []).extend(t)
+                    t, _, _ = asyncio.run(push_seconds(d_tls_addr, prompts[0], args.repeats,
+                                                       name, tls=tls["bench"]))
+                    runs.setdefault(f"{name}-tls", []).extend(t)
                 runs.setdefault("raw", []).extend(raw_tcp_seconds(payload, args.repeats))
             best = {k: nbytes / min(v) / 1e9 for k, v in runs.items()}
             print(f"\nKV push of a {args.prompt_len}-token prompt: {nbytes / 1e6:.1f} MB in "
@@ -270,15 +288,26 @@ def main() -> int:
                       f"GB/s (median {statistics.median(runs[key]) * 1e3:.1f} ms)")
             print(f"  ratio gRPC push / raw TCP: {best['grpc'] / best['raw']:.0%}; TCP data-plane "
                   f"push / raw TCP: {best['tcp'] / best['raw']:.0%} (target >= 50%)")
+            for key, label in (("grpc-tls", "gRPC push, mutual TLS"),
+                               ("tcp-tls", "TCP data-plane push, mutual TLS")):
+                print(f"  {label:42s} best {min(runs[key]) * 1e3:7.1f} ms = {best[key]:5.2f} "
+                      f"GB/s (median {statistics.median(runs[key]) * 1e3:.1f} ms)")
+            print(f"  cost of TLS (best vs best): gRPC {1 - best['grpc-tls'] / best['grpc']:.0%},"
+                  f" TCP data plane {1 - best['tcp-tls'] / best['tcp']:.0%} (target <= 20%)")
+            stop(decode_tls)
+            decode_tls = None
 
             if args.skip_ttft:
                 return 0
             prefill, p_addr = start_node("prefill", model,
-                                         [*opts, "--kv-transport", args.kv_transport], Path(tmp))
+                                         [*opts, "--kv-transport", args.kv_transport,
+                                          "--allowed-decode", d_addr], Path(tmp))
             single_node = SingleNode(model, engine_opts)
             pd, single = asyncio.run(ttft_pairs(p_addr, d_addr, single_node, prompts))
         finally:
             stop(decode)
+            if decode_tls is not None:
+                stop(decode_tls)
             if prefill is not None:
                 stop(prefill)
     m_pd, m_single = statistics.median(pd), statistics.median(single)

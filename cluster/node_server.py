@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.discovery import NodeLoad, NodeRecord, Registry
 from cluster.kv_transfer.base import GRPC_OPTIONS
+from cluster.tls import TlsConfig
 
 log = logging.getLogger("cluster.node")
 
@@ -41,9 +42,11 @@ def advertised(listen: str, bound_port: int, advertise: str | None) -> str:
 class GrpcNodeServer:
     """One gRPC server for one service, with health, reflection and the drain protocol."""
 
-    def __init__(self, service_full_name: str, listen: str):
+    def __init__(self, service_full_name: str, listen: str, tls: TlsConfig | None = None):
+        """tls: mutual TLS (clients must show a certificate of the cluster CA)."""
         self.service_name = service_full_name
         self.listen = listen
+        self.tls = tls
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -56,7 +59,11 @@ class GrpcNodeServer:
         reflection.enable_server_reflection(
             [self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         try:
-            self.port = self.server.add_insecure_port(self.listen)
+            if self.tls is None:
+                self.port = self.server.add_insecure_port(self.listen)
+            else:
+                self.port = self.server.add_secure_port(self.listen,
+                                                        self.tls.grpc_server_credentials())
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {self.listen}: {exc}") from None
         if self.port == 0:

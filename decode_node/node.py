@@ -7,6 +7,7 @@ from pathlib import Path
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.limits import TcpLimits
+from cluster.tls import TlsConfig
 from decode_node.service import DecodeService
 from decode_node.streams import StreamTable
 from engine.config import EngineConfig
@@ -22,10 +23,11 @@ class DecodeNode:
 
     def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0,
                  kv_tcp_listen: str | None = None, max_lease_s: float | None = None,
-                 kv_tcp_limits: TcpLimits | None = None):
+                 kv_tcp_limits: TcpLimits | None = None, tls: TlsConfig | None = None):
         """lease_s: the default reservation lease; max_lease_s: the longest a caller may
         ask for (default lease_s: `--lease-s` is the ceiling too). kv_tcp_limits: the raw-TCP
-        data plane's connection cap and timeouts."""
+        data plane's connection cap and timeouts. tls: the data plane speaks mutual TLS
+        (the gRPC server's TLS is GrpcNodeServer's)."""
         self.engine = LLMEngine(config)
         self.fingerprint = engine_fingerprint(self.engine)
         self.receiver = KvReceiver(self.engine, lease_s, max_lease_s=max_lease_s)
@@ -35,6 +37,7 @@ class DecodeNode:
                                      node_id=node_id, model_id=Path(config.model).name)
         self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
         self.kv_tcp_limits = kv_tcp_limits or TcpLimits()
+        self.tls = tls
         self.kv_tcp = None
 
     def start(self, advertise_host: str | None = None) -> None:
@@ -45,7 +48,7 @@ class DecodeNode:
             from cluster.kv_transfer.tcp_server import TcpKvServer
             host, _, port = self.kv_tcp_listen.rpartition(":")
             self.kv_tcp = TcpKvServer(self.service.push_handler, host.strip("[]"), int(port),
-                                      limits=self.kv_tcp_limits)
+                                      limits=self.kv_tcp_limits, tls=self.tls)
             self.kv_tcp.start()
             self.service.kv_tcp_address = self.kv_tcp.address(advertise_host)
 

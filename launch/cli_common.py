@@ -70,3 +70,34 @@ def env_secret_list_argument(parser: argparse.ArgumentParser | Any, flag: str, e
     value = [v.strip() for v in raw.split(",") if v.strip()]
     parser.add_argument(flag, action=_SecretList, default=value, help=f"{help} [env {env}]",
                         **kwargs)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """--tls-ca/--tls-cert/--tls-key: mutual TLS on the links between the cluster's
+    processes (cluster/tls.py); all three or none."""
+    g = parser.add_argument_group("cluster TLS (router <-> nodes, prefill -> decode)")
+    env_argument(g, "--tls-ca", "PDSERVE_TLS_CA", default=None, metavar="PEM",
+                 help="the cluster CA bundle: peers must show a certificate it signed")
+    env_argument(g, "--tls-cert", "PDSERVE_TLS_CERT", default=None, metavar="PEM",
+                 help="this process's certificate (signed by the cluster CA)")
+    env_argument(g, "--tls-key", "PDSERVE_TLS_KEY", default=None, metavar="PEM",
+                 help="this process's private key")
+
+
+def tls_from_args(args: argparse.Namespace):
+    """TlsConfig, or None for plaintext; CliError names what is missing."""
+    from cluster.tls import TlsConfig
+
+    try:
+        return TlsConfig.from_args(args.tls_ca, args.tls_cert, args.tls_key)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def add_etcd_auth_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """etcd's own user/password authentication (the password better from the env)."""
+    env_argument(parser, "--etcd-user", "PDSERVE_ETCD_USER", default=None,
+                 help="etcd user (with --etcd-password)")
+    env_argument(parser, "--etcd-password", "PDSERVE_ETCD_PASSWORD", default=None,
+                 help="etcd password; prefer the env variable (flags show in the process "
+                      "list)")

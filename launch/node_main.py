@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from launch.cli_common import CliError
+from launch.cli_common import CliError, tls_from_args
 
 log = logging.getLogger("cluster.node")
 
@@ -18,22 +18,44 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
         config = engine_config_from_args(args)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    tls = tls_from_args(args)
     try:
         if role == "decode":
+            from cluster.kv_transfer.limits import TcpLimits
             from decode_node.node import DecodeNode
             tcp = None if args.kv_tcp_listen in ("", "none", "off") else args.kv_tcp_listen
             if tcp == "auto":
                 tcp = f"{args.listen.rpartition(':')[0]}:0"
-            return DecodeNode(config, node_id=node_id, lease_s=args.lease_s, kv_tcp_listen=tcp)
+            limits = TcpLimits(max_connections=args.kv_tcp_max_connections,
+                               header_timeout_s=args.kv_tcp_header_timeout,
+                               idle_timeout_s=args.kv_tcp_idle_timeout)
+            return DecodeNode(config, node_id=node_id, lease_s=args.lease_s, kv_tcp_listen=tcp,
+                              max_lease_s=args.max_lease_s, kv_tcp_limits=limits, tls=tls)
         from cluster.kv_transfer.grpc_transport import GrpcTransport
         from prefill_node.node import PrefillNode
-        transport = GrpcTransport()
+        transport = GrpcTransport(tls=tls)
         if args.kv_transport == "tcp":
             from cluster.kv_transfer.tcp_transport import TcpTransport
             transport = TcpTransport(transport)
-        return PrefillNode(config, transport, node_id=node_id)
+        return PrefillNode(config, transport, node_id=node_id, decode_gate=decode_gate(args))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(f"cannot load the model: {exc}") from None
+
+
+def decode_gate(args: argparse.Namespace):
+    """Where this prefill node may push KV: the decode nodes registered in etcd (a registry
+    of its own, watched only), or with etcd off the --allowed-decode list. With neither,
+    refuse to start rather than push to whatever address a caller names."""
+    from prefill_node.decode_gate import DiscoveryDecodeGate, StaticDecodeGate
+
+    registry = make_registry(args)
+    if registry is not None:
+        return DiscoveryDecodeGate(registry, close_registry=True)
+    allowed = [a.strip() for a in (args.allowed_decode or "").split(",") if a.strip()]
+    if not allowed:
+        raise CliError("a prefill node without etcd (--etcd none) needs --allowed-decode "
+                       "HOST:PORT,... [PDSERVE_ALLOWED_DECODE]: the decode nodes it may push to")
+    return StaticDecodeGate(allowed)
 
 
 def load_kernels(device: str) -> dict[str, bool]:
@@ -62,7 +84,8 @@ def make_registry(args: argparse.Namespace):
         return None
     from cluster.discovery import EtcdRegistry
     try:
-        return EtcdRegistry(args.etcd, args.cluster, ttl=args.lease_ttl)
+        return EtcdRegistry(args.etcd, args.cluster, ttl=args.lease_ttl,
+                            username=args.etcd_user, password=args.etcd_password)
     except ValueError as exc:
         raise CliError(str(exc)) from None
 
@@ -80,7 +103,7 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
     from cluster.proto_convert import fingerprint_to_proto  # noqa: F401 - fail early if broken
 
     registry = make_registry(args)
-    server = GrpcNodeServer(node.SERVICE, args.listen)
+    server = GrpcNodeServer(node.SERVICE, args.listen, tls=tls_from_args(args))
     server.add(node.add_to_server, node.service)
     try:
         port = await server.start()

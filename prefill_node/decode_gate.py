@@ -59,8 +59,11 @@ class DiscoveryDecodeGate(DecodeGate):
     """Addresses of the decode nodes in the registry, as the routers see them (a router
     sends the address from the same NodeRecord)."""
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, close_registry: bool = False):
+        """close_registry: the registry is this gate's own (launch builds one for it), so
+        close it with the gate."""
         self.view = ClusterView(registry)
+        self.close_registry = close_registry
 
     def allows(self, address: str) -> bool:
         return any(r.address == address for r in self.view.nodes("decode"))
@@ -73,6 +76,8 @@ class DiscoveryDecodeGate(DecodeGate):
 
     async def close(self) -> None:
         await self.view.close()
+        if self.close_registry:
+            await self.view.registry.close()
 
 
 async def start_gate(gate: DecodeGate) -> None:

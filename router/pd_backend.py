@@ -27,8 +27,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster.kv_transfer.grpc_transport import open_channel
 from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from cluster.rpc_status import DECODE, PREFILL, RpcFailure, failure_of
+from cluster.tls import TlsConfig
 from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from router.backend import NodeRequest, StepOutput
@@ -60,7 +62,8 @@ class ChannelCache:
     uses it: closing a grpc.aio channel cancels every call on it, and a node that refuses
     one request (or is draining) still serves the streams it has."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        self.tls = tls                        # mutual TLS to the nodes (cluster/tls.py)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._users: dict[str, int] = {}
         self._retired: set[str] = set()
@@ -86,8 +89,7 @@ class ChannelCache:
     def get(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address,
-                                                                      options=_CHANNEL_OPTIONS)
+            ch = self._channels[address] = open_channel(address, self.tls, _CHANNEL_OPTIONS)
         return ch
 
     async def drop(self, address: str) -> None:
@@ -104,7 +106,8 @@ class ChannelCache:
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
                  max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
-                 stall_timeout_s: float = 60.0, queue_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 60.0, queue_timeout_s: float = 30.0,
+                 tls: TlsConfig | None = None):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.max_model_len = max_model_len
         # A decode node that sends nothing for this long, while no prefill is pending for
@@ -117,7 +120,7 @@ class PdBackend:
         # (retrying with backoff) before the client gets 429.
         self.queue_timeout_s = queue_timeout_s
         self.max_attempts = max_attempts
-        self.channels = ChannelCache()
+        self.channels = ChannelCache(tls)
 
     def ready(self) -> bool:
         return bool(self.pool.nodes("prefill")) and bool(self.pool.nodes("decode"))

@@ -12,6 +12,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.tls import TlsConfig
+
 log = logging.getLogger("pdserve.router")
 
 
@@ -36,6 +38,10 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     metrics: bool = True
     grpc_reflection: bool = False
+    # Mutual TLS to the nodes (cluster/tls.py; None: plaintext) and etcd credentials.
+    tls: TlsConfig | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         from router.policies import POLICIES
@@ -82,12 +88,13 @@ class Router:
                                  max_model_len=self.info.max_model_len,
                                  lease_ms=config.lease_ms, max_attempts=config.max_attempts,
                                  stall_timeout_s=config.stall_timeout_s,
-                                 queue_timeout_s=config.queue_timeout_s)
+                                 queue_timeout_s=config.queue_timeout_s, tls=config.tls)
         self.service = RouterService(self.info, load_tokenizer(self.info), self.backend,
                                      self.metrics)
         if registry is None:
             from cluster.discovery import EtcdRegistry
-            registry = EtcdRegistry(config.etcd, cluster=config.cluster)
+            registry = EtcdRegistry(config.etcd, cluster=config.cluster,
+                                    username=config.etcd_user, password=config.etcd_password)
         self.registry = registry
         self.api_keys = ApiKeys(config.api_keys)
         self.app = make_app(self.service, api_keys=self.api_keys, metrics_on=config.metrics)

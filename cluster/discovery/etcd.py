@@ -53,8 +53,15 @@ def parse_endpoints(spec: str | list[str]) -> list[tuple[str, int]]:
 
 class EtcdRegistry(Registry):
     def __init__(self, endpoints: str | list[str], cluster: str = "default", ttl: int = 5,
-                 timeout: float = 3.0, min_load_interval: float = MIN_LOAD_INTERVAL_S):
+                 timeout: float = 3.0, min_load_interval: float = MIN_LOAD_INTERVAL_S,
+                 username: str | None = None, password: str | None = None):
+        """username/password: etcd's own authentication (both or neither). aetcd dials
+        plaintext only (its Client has no TLS options), so etcd TLS needs a TLS-terminating
+        proxy next to each process, or a private network."""
         super().__init__(cluster)
+        if bool(username) != bool(password):
+            raise ValueError("etcd authentication needs both a user and a password")
+        self.username, self.password = username or None, password or None
         if ttl < 1:
             raise ValueError(f"lease ttl must be >= 1 s, got {ttl}")
         self.endpoints = parse_endpoints(endpoints)
@@ -83,7 +90,8 @@ class EtcdRegistry(Registry):
 
         if self._client is None:
             host, port = self.endpoints[self._endpoint_idx % len(self.endpoints)]
-            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout)
+            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout,
+                                        username=self.username, password=self.password)
         return self._client
 
     async def _drop_client(self) -> None:

@@ -9,20 +9,33 @@ import grpc
 
 from cluster.kv_transfer.base import GRPC_OPTIONS, KvTransport, PushFailed
 from cluster.rpc_status import DECODE, failure_of
+from cluster.tls import TlsConfig
 from protos import node_pb2, node_pb2_grpc
 
 log = logging.getLogger("cluster.kv_transfer")
 
 
+def open_channel(address: str, tls: TlsConfig | None,
+                 options: list | None = None) -> grpc.aio.Channel:
+    """A channel to a node: plaintext, or mutual TLS checked against the cluster CA."""
+    options = list(GRPC_OPTIONS if options is None else options)
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options)
+    return grpc.aio.secure_channel(address, tls.grpc_channel_credentials(),
+                                   options + tls.grpc_channel_options())
+
+
 class GrpcTransport(KvTransport):
-    def __init__(self, timeout: float = 120.0):
+    def __init__(self, timeout: float = 120.0, tls: TlsConfig | None = None):
+        """tls: dial decode nodes with the cluster's mutual TLS."""
         self.timeout = timeout
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> node_pb2_grpc.DecodeNodeStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, GRPC_OPTIONS)
+            channel = self._channels[address] = open_channel(address, self.tls)
         return node_pb2_grpc.DecodeNodeStub(channel)
 
     async def push(self, address: str,

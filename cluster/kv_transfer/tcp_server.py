@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from cluster.kv_transfer.limits import TcpLimits
 from cluster.kv_transfer.receiver import WRITTEN, PushHandler
 from cluster.kv_transfer.tcp_framing import BUSY, FRAME, MAX_DATA, MAX_META, READY, REPLY
 from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
+from cluster.tls import TlsConfig
 from engine.pd_decode import PushDenied, PushRejected, UnknownReservation
 from protos import node_pb2
 
@@ -42,6 +44,7 @@ class _Conn:
         self.reply = b""                              # verdict bytes not yet sent
         self.replied = threading.Event()
         self.early = False                            # reading stopped before `done`
+        self.untrusted = False                        # failed the TLS handshake: no reply
 
 
 # Blocking sockets on threads rather than asyncio's sock_* calls: measured on a loaded
@@ -57,9 +60,12 @@ class TcpKvServer:
     QUEUE_DEPTH = 8
 
     def __init__(self, handler: PushHandler, host: str = "127.0.0.1", port: int = 0,
-                 limits: TcpLimits | None = None):
+                 limits: TcpLimits | None = None, tls: TlsConfig | None = None):
+        """tls: every connection must complete a mutual-TLS handshake with a certificate
+        of the cluster CA (within the header timeout) before anything is read."""
         self.handler = handler
         self.limits = limits or TcpLimits()
+        self.tls = tls.server_context() if tls is not None else None
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -73,6 +79,7 @@ class TcpKvServer:
         self.refused = 0            # connections turned away at the cap
         self.peak = 0               # most connections served at once
         self.pushes = 0             # pushes accepted and admitted over this plane
+        self.untrusted = 0          # connections that failed the TLS handshake
 
     @property
     def active(self) -> int:
@@ -133,6 +140,8 @@ class TcpKvServer:
     def _run(self, c: _Conn) -> None:
         try:
             c.sock.settimeout(self.limits.header_timeout_s)
+            if self.tls is not None:
+                self._handshake(c)
             c.sock.sendall(READY)
             self._read(c)
         except Exception as exc:  # noqa: BLE001 - handed to the handler as the stream's end
@@ -142,8 +151,10 @@ class TcpKvServer:
             self._put(c, exc)
         finally:
             try:
-                # the verdict (a refusal may come while the sender is still sending)
-                if c.replied.wait(self.limits.idle_timeout_s) and c.reply:
+                # the verdict (a refusal may come while the sender is still sending); a
+                # peer that failed the TLS handshake is no cluster member: not a word more
+                if (not c.untrusted and c.replied.wait(self.limits.idle_timeout_s)
+                        and c.reply):
                     c.sock.settimeout(self.limits.idle_timeout_s)
                     c.sock.sendall(c.reply)
                 if c.early:
@@ -154,6 +165,17 @@ class TcpKvServer:
                 c.sock.close()
                 with self._lock:
                     self._conns.discard(c)
+
+    def _handshake(self, c: _Conn) -> None:
+        """Mutual TLS before the greeting; a peer without a certificate of the cluster CA
+        (or speaking plaintext, or too slow) is closed without one."""
+        try:
+            c.sock = self.tls.wrap_socket(c.sock, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            c.untrusted = True
+            self.untrusted += 1
+            log.info("KV TCP: TLS handshake refused: %s", exc)
+            raise ConnectionError("TLS handshake failed") from None
 
     def _put(self, c: _Conn, item) -> None:
         """Hand an item to the handler; dropped once it has its verdict (nobody reads)."""
@@ -242,7 +264,8 @@ class TcpKvServer:
         # blocking, so a refusal reaches a sender still streaming; the rest (never, in
         # practice) goes from the connection's thread.
         try:
-            sent = c.sock.send(reply, socket.MSG_DONTWAIT)
+            # an SSLSocket takes no flags and its writes belong to the connection's thread
+            sent = 0 if self.tls is not None else c.sock.send(reply, socket.MSG_DONTWAIT)
         except OSError:
             sent = 0
         c.reply = reply[sent:]

@@ -47,7 +47,10 @@ class TcpTransport(KvTransport):
     wants_raw_payload = True
 
     def __init__(self, grpc_transport: GrpcTransport | None = None):
+        """TLS follows the gRPC transport's: with it, the data plane is mutual TLS too."""
         self.grpc = grpc_transport or GrpcTransport()
+        tls = getattr(self.grpc, "tls", None)     # a stand-in transport may have none
+        self._tls = (tls, tls.client_context()) if tls is not None else None
         self._data_address: dict[str, str] = {}
         self.fallbacks = 0          # pushes sent over gRPC because the data plane said no
 
@@ -67,8 +70,7 @@ class TcpTransport(KvTransport):
             return await self.grpc.push(address, _as_messages(messages))
         host, _, port = data_address.rpartition(":")
         try:
-            sock = await asyncio.to_thread(socket.create_connection,
-                                           (host.strip("[]"), int(port)), 10.0)
+            sock = await asyncio.to_thread(self._connect, host.strip("[]"), int(port))
         except OSError as exc:
             raise PushFailed(grpc.StatusCode.UNAVAILABLE,
                              f"KV data plane {data_address}: {exc}") from None
@@ -103,6 +105,17 @@ class TcpTransport(KvTransport):
         finally:
             sock.close()
             await asyncio.gather(sent, return_exceptions=True)
+
+    def _connect(self, host: str, port: int) -> socket.socket:
+        sock = socket.create_connection((host, port), 10.0)
+        if self._tls is None:
+            return sock
+        tls, context = self._tls
+        try:
+            return tls.wrap_client(sock, context)       # ssl.SSLError is an OSError
+        except OSError:
+            sock.close()
+            raise
 
     async def abort_reservation(self, address: str, request: node_pb2.AbortRequest) -> bool:
         return await self.grpc.abort_reservation(address, request)

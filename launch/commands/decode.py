@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from cluster.kv_transfer.limits import TcpLimits
 from launch.cli_common import env_argument
 from launch.commands.node_options import add_node_arguments
 
@@ -21,6 +22,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_argument(parser, "--lease-s", "PDSERVE_RESERVATION_LEASE", default=30.0, type=float,
                  metavar="S", help="reservation lease: blocks not filled by then return to "
                                    "the pool")
+    env_argument(parser, "--max-lease-s", "PDSERVE_MAX_LEASE", default=None, type=float,
+                 metavar="S", help="the longest lease a router may ask for; longer ones are "
+                                   "clamped (default: --lease-s)")
+    limits = TcpLimits()
+    env_argument(parser, "--kv-tcp-max-connections", "PDSERVE_KV_TCP_MAX_CONNECTIONS",
+                 default=limits.max_connections, type=int, metavar="N",
+                 help="data-plane pushes served at once; more are refused (the sender "
+                      "falls back to gRPC)")
+    env_argument(parser, "--kv-tcp-header-timeout", "PDSERVE_KV_TCP_HEADER_TIMEOUT",
+                 default=limits.header_timeout_s, type=float, metavar="S",
+                 help="a data-plane connection must deliver its header (and finish its TLS "
+                      "handshake) within this")
+    env_argument(parser, "--kv-tcp-idle-timeout", "PDSERVE_KV_TCP_IDLE_TIMEOUT",
+                 default=limits.idle_timeout_s, type=float, metavar="S",
+                 help="each later data-plane frame must arrive within this")
 
 
 def run(args: argparse.Namespace) -> int:

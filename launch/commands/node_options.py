@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from launch.cli_common import env_argument, env_flag
+from launch.cli_common import (
+    add_etcd_auth_arguments,
+    add_tls_arguments,
+    env_argument,
+    env_flag,
+)
 
 
 def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int) -> None:
@@ -30,6 +35,8 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
                  metavar="S", help="on SIGTERM, how long in-flight requests may take")
     env_argument(net, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write the advertised address here once serving (for launchers)")
+    add_etcd_auth_arguments(net)
+    add_tls_arguments(p)
 
     eng = p.add_argument_group("engine")
     env_argument(eng, "--model", "PDSERVE_MODEL", default=None, metavar="DIR",

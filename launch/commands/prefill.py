@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help="how KV reaches decode nodes: gRPC streaming (works between any two "
                       "hosts), or the decode node's raw-TCP data plane (falls back to gRPC "
                       "where a decode node has none)")
+    env_argument(parser, "--allowed-decode", "PDSERVE_ALLOWED_DECODE", default=None,
+                 metavar="HOST:PORT,...",
+                 help="without etcd (--etcd none): the decode nodes this node may push KV "
+                      "to (with etcd: the decode nodes registered there)")
 
 
 def run(args: argparse.Namespace) -> int:

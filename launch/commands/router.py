@@ -9,6 +9,8 @@ import argparse
 
 from launch.cli_common import (
     CliError,
+    add_etcd_auth_arguments,
+    add_tls_arguments,
     env_argument,
     env_bool_argument,
     env_flag,
@@ -60,11 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="serve Prometheus /metrics on the HTTP port (open, without a key)")
     env_flag(p, "--grpc-reflection", "PDSERVE_GRPC_REFLECTION",
              help="enable gRPC server reflection (lists the API to clients; default: off)")
+    add_etcd_auth_arguments(p)
+    add_tls_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from launch.cli_common import tls_from_args
     from router.server import RouterConfig, serve
 
     model = args.model
@@ -79,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
                               stall_timeout_s=args.stall_timeout,
                               queue_timeout_s=args.queue_timeout, ready_file=args.ready_file,
                               api_keys=tuple(args.api_key), metrics=args.metrics,
-                              grpc_reflection=args.grpc_reflection)
+                              grpc_reflection=args.grpc_reflection,
+                              tls=tls_from_args(args), etcd_user=args.etcd_user,
+                              etcd_password=args.etcd_password)
         asyncio.run(serve(config))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
