@@ -10,6 +10,7 @@ first), when that hold ends: the fault was transient.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ class NodePool:
         self._failed: dict[str, tuple[NodeState, float]] = {}   # node_id -> (state, when)
         self.failed_hold_s = failed_hold_s
         self.version = 0            # bumped on membership change (tests wait on it)
+        self._removed: dict[str, asyncio.Event] = {}   # set when discovery drops the node
 
     # ---- discovery events ------------------------------------------------------------
     def upsert(self, node: NodeState) -> None:
@@ -88,6 +90,17 @@ class NodePool:
         self._failed.pop(node_id, None)
         if self._nodes.pop(node_id, None) is not None:
             self.version += 1
+        event = self._removed.pop(node_id, None)
+        if event is not None:
+            event.set()
+
+    def removal(self, node_id: str) -> asyncio.Event:
+        """Set when discovery next drops `node_id` (its lease ran out, or it deregistered):
+        a request waiting on the node's work need not wait for its own timeouts."""
+        event = self._removed.get(node_id)
+        if event is None:
+            event = self._removed[node_id] = asyncio.Event()
+        return event
 
     def mark_failed(self, node_id: str) -> None:
         node = self._nodes.pop(node_id, None)

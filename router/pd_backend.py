@@ -226,6 +226,9 @@ class PdBackend:
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=self.lease_ms))
         prefill: asyncio.Task | None = None
         read: asyncio.Future | None = None
+        # discovery dropping the prefill node (hung: its lease ran out; or drained) ends a
+        # pending prefill at once, instead of after the decode node's reservation lease
+        prefill_gone = asyncio.ensure_future(self.pool.removal(pre.node_id).wait())
         pre.inflight += 1
         dec.inflight += 1
         prefill_open = True
@@ -236,12 +239,15 @@ class PdBackend:
             read = asyncio.ensure_future(call.read())
             while True:
                 pending_prefill = prefill is not None and prefill_open
-                waits = {read, prefill} if pending_prefill else {read}
+                waits = {read, prefill, prefill_gone} if pending_prefill else {read}
                 done, _ = await asyncio.wait(
                     waits, timeout=None if pending_prefill else self.stall_timeout_s,
                     return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     raise NodeFailure(dec.node_id, f"no event for {self.stall_timeout_s:.0f} s")
+                if pending_prefill and prefill_gone in done and prefill not in done:
+                    raise NodeFailure(pre.node_id, "discovery dropped the node while its "
+                                                   "prefill was pending")
                 if prefill is not None and prefill_open and prefill in done:
                     prefill_open = False
                     pre.inflight -= 1
@@ -283,13 +289,13 @@ class PdBackend:
             dec.inflight -= 1
             if prefill_open:
                 pre.inflight -= 1
-            for fut in (read, prefill):
+            for fut in (read, prefill, prefill_gone):
                 if fut is not None and not fut.done():
                     fut.cancel()
             call.cancel()
             # Collect the cancelled calls' outcomes (a cancellation of this task itself
             # still propagates out of gather).
-            await asyncio.gather(*(f for f in (read, prefill) if f is not None),
+            await asyncio.gather(*(f for f in (read, prefill, prefill_gone) if f is not None),
                                  return_exceptions=True)
             await self.channels.release(dec.address)
             await self.channels.release(pre.address)

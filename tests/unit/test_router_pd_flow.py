@@ -83,11 +83,14 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 
 
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None):
-        self.shared, self.fail, self.refuse = shared, fail, refuse
+    def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None,
+                 hang: bool = False):
+        self.shared, self.fail, self.refuse, self.hang = shared, fail, refuse, hang
 
     async def Prefill(self, request, context):
         self.shared.prefill_requests.append(request)
+        if self.hang:                   # a SIGSTOPped node: the call never ends
+            await asyncio.sleep(3600)
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill node crashed")
         if self.refuse is not None:     # the decode stream learns first, then this reply
@@ -371,3 +374,28 @@ def test_a_draining_decode_node_sends_new_requests_elsewhere_and_keeps_its_strea
     assert [r.request_id for _, r in shared.reserve_requests if r.request_id[0] == "c"] == [
         "c", "c.r1"]
     assert live == ["decode-0", "decode-1"] and failures == 0
+
+
+def test_discovery_dropping_a_hung_prefill_node_replays_its_pending_prefill_at_once():
+    """A hung prefill node never answers; its etcd lease runs out and discovery drops it.
+    The request must move on then, not after the decode node's reservation lease (here:
+    never, the fake decode node has none, so the old behaviour hangs past the deadline)."""
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}], [{"hang": True}, {}])
+        task = asyncio.ensure_future(_collect(backend, "r9", PROMPT, 5))
+        while not shared.prefill_requests:
+            await asyncio.sleep(0.01)
+        assert pool.get("prefill-0").address and len(shared.prefill_requests) == 1
+        pool.remove("prefill-0")                       # the discovery DELETE
+        tokens, _ = await task
+        live = [n.node_id for n in pool.nodes("prefill")]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens, live
+
+    shared, tokens, live = _run(main())
+    assert tokens == _expected(PROMPT, 5)
+    assert live == ["prefill-1"]
+    assert [r.request_id for r in shared.prefill_requests] == ["r9", "r9.r1"]
