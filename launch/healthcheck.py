@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
 
@@ -33,6 +34,7 @@ class HealthTarget:
     kind: str        # "http" | "grpc" | "none"
     address: str     # host:port to probe ("" for kind "none")
     role: str        # the pdserve subcommand
+    tls: Any = None  # a node's own TlsConfig: its port admits only cluster certificates
 
     def describe(self) -> str:
         if self.kind == "http":
@@ -69,7 +71,8 @@ def target_for(args: argparse.Namespace) -> HealthTarget:
     if role == "router":
         return HealthTarget("http", probe_address(args.http), role)
     if role in ("prefill", "decode"):
-        return HealthTarget("grpc", probe_address(args.listen), role)
+        from launch.cli_common import tls_from_args
+        return HealthTarget("grpc", probe_address(args.listen), role, tls_from_args(args))
     if role == "up":
         return HealthTarget("http", f"127.0.0.1:{args.http_port}", role)
     return HealthTarget("none", "", role)
@@ -91,11 +94,13 @@ def check_http(address: str, timeout: float) -> tuple[bool, str]:
         return False, f"unreachable: {getattr(exc, 'reason', exc)}"
 
 
-def check_grpc(address: str, timeout: float) -> tuple[bool, str]:
+def check_grpc(address: str, timeout: float, tls=None) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.insecure_channel(address) if tls is None else grpc.secure_channel(
+        address, tls.grpc_channel_credentials(), tls.grpc_channel_options()))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -111,6 +116,8 @@ CHECKS = {"http": check_http, "grpc": check_grpc}
 def check(target: HealthTarget, timeout: float) -> tuple[bool, str]:
     if target.kind == "none":
         return True, "ok"
+    if target.kind == "grpc":
+        return check_grpc(target.address, timeout, target.tls)
     return CHECKS[target.kind](target.address, timeout)
 
 

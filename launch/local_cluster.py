@@ -92,6 +92,9 @@ class LocalClusterConfig:
     lease_ttl: int = 3
     run_dir: Path | None = None
     restart_nodes: bool = True      # supervise() restarts crashed nodes
+    # Mutual TLS between router and nodes (a throw-away CA in run_dir/tls, one leaf per
+    # process): on by default, so the secure path is the one every local run exercises.
+    tls: bool = True
 
 
 class LocalCluster:
@@ -106,6 +109,11 @@ class LocalCluster:
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.etcd = EtcdServer(self.run_dir / "etcd")
+        self._ca = None
+        if config.tls:
+            from cluster.tls import make_ca, write_cluster_certs
+            self._ca = make_ca("pdserve up CA (throw-away)")
+            write_cluster_certs(self.tls_dir, [], ca=self._ca)      # ca.crt for clients
         self.nodes: list[Child] = []
         self.router: Child | None = None
         self.supervisor = None          # a Supervisor once start() succeeded
@@ -114,6 +122,23 @@ class LocalCluster:
         self.grpc_address = ""
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.run_dir / "tls"
+
+    def tls_flags(self, name: str) -> list[str]:
+        """--tls-* for the process `name`: its own leaf (made once, kept across restarts)."""
+        if self._ca is None:
+            return []
+        from cluster.tls import TlsConfig, write_cluster_certs
+        cert = self.tls_dir / f"{name}.crt"
+        if cert.exists():
+            tls = TlsConfig(str(self.tls_dir / "ca.crt"), str(cert),
+                            str(self.tls_dir / f"{name}.key"))
+        else:
+            tls = write_cluster_certs(self.tls_dir, [name], ca=self._ca)[name]
+        return ["--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key]
 
     # ---- children ------------------------------------------------------------------------
     def _cli(self, *args: str) -> list[str]:
@@ -125,7 +150,8 @@ class LocalCluster:
         return self._cli(role, "--listen", f"127.0.0.1:{free_port()}", "--etcd",
                          self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id",
                          name, "--lease-ttl", str(self.config.lease_ttl), "--ready-file",
-                         str(ready), "--model", self.config.model, *self.config.node_args,
+                         str(ready), "--model", self.config.model, *self.tls_flags(name),
+                         *self.config.node_args,
                          *(self.config.decode_args if role == "decode"
                            else self.config.prefill_args))
 
@@ -157,7 +183,7 @@ class LocalCluster:
         cmd = self._cli("router", "--http", f"127.0.0.1:{http_port}", "--grpc",
                         f"127.0.0.1:{grpc_port}", "--etcd", self.etcd.endpoint, "--cluster",
                         self.config.cluster, "--model", self.config.model, "--ready-file",
-                        str(ready), *self.config.router_args)
+                        str(ready), *self.tls_flags(name), *self.config.router_args)
         if self.config.policy:
             cmd += ["--policy", self.config.policy]
         return Child(name, cmd, self.run_dir / f"{name}.log", ready).start(self.env)

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per decode step")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for everything to be ready")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext between router and nodes (default: mutual TLS from a "
+                        "throw-away CA made in the run folder)")
 
 
 def speculative_args(args: argparse.Namespace) -> list[str]:
@@ -67,6 +70,8 @@ def _banner(cluster, model_name: str) -> str:
         f"  OpenAI HTTP API: {http}/v1   (metrics: {http}/metrics)",
         f"  gRPC API:        {grpc}",
         f"  logs:            {cluster.run_dir}",
+        "  node links:      " + (f"mutual TLS (certificates in {cluster.tls_dir})"
+                                  if cluster.config.tls else "plaintext (--insecure)"),
         "",
         "Try:",
         f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\",
@@ -95,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                        str(args.kv_cache_memory_gb)],
             prefill_args=speculative_args(args),
             decode_args=speculative_args(args) + (
-                ["--enable-graph"] if args.enable_graph else []))
+                ["--enable-graph"] if args.enable_graph else []),
+            tls=not args.insecure)
         cluster = LocalCluster(config)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

@@ -34,6 +34,19 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _plaintext_health_fails(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=5.0)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
     from engine import LLM
 
@@ -75,6 +88,14 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
                          Req("http", messages=body["messages"], max_tokens=body["max_tokens"]))
         assert answer["choices"][0]["message"]["content"] == want[1]
         assert len(_processes_mentioning(run_dir)) >= 3      # etcd, 2 nodes, router
+        # ... and it was served over mutual TLS, the default: every node and the router run
+        # with their own certificate, and a node's gRPC port refuses a plaintext client
+        assert "node links:      mutual TLS" in out
+        tls_dir = Path(run_dir) / "tls"
+        for name in ("prefill-0", "decode-0", "router"):
+            assert _processes_mentioning(str(tls_dir / f"{name}.crt")), name
+        node = (Path(run_dir) / "decode-0.ready").read_text().strip()
+        assert _plaintext_health_fails(node)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)
