@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, str] = {
     "decode": "launch.commands.decode",
     "generate": "launch.commands.generate",
     "offline": "launch.commands.offline",
+    "certs": "launch.commands.certs",
 }
 
 EXIT_USAGE = 2

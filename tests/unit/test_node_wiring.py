@@ -56,3 +56,20 @@ def test_tls_flags_must_come_together(tmp_path):
     args = parse("decode", "--model", "/nonexistent", "--etcd", "none", "--tls-ca", tls.ca)
     with pytest.raises(CliError, match="--tls-cert, --tls-key"):
         build_node("decode", args, "d0")
+
+
+def test_pdserve_certs_makes_leaves_that_a_second_run_can_sign_with_the_same_ca(tmp_path):
+    from cryptography import x509
+
+    from launch.cli import main
+
+    assert main(["certs", "--out", str(tmp_path / "a"), "--name", "decode"]) == 0
+    assert main(["certs", "--out", str(tmp_path / "b"), "--name", "router", "--ca-cert",
+                 str(tmp_path / "a" / "ca.crt"), "--ca-key", str(tmp_path / "a" / "ca.key")]) == 0
+    ca = x509.load_pem_x509_certificate((tmp_path / "a" / "ca.crt").read_bytes())
+    leaf = x509.load_pem_x509_certificate((tmp_path / "b" / "router.crt").read_bytes())
+    leaf.verify_directly_issued_by(ca)          # raises when another CA signed it
+    assert (tmp_path / "b" / "router.key").stat().st_mode & 0o077 == 0
+    TlsConfig(str(tmp_path / "a" / "ca.crt"), str(tmp_path / "b" / "router.crt"),
+              str(tmp_path / "b" / "router.key")).server_context()
+    assert main(["certs", "--out", str(tmp_path / "c"), "--ca-cert", "x"]) == 2
