@@ -54,6 +54,10 @@ class Overloaded(RouterError):
     grpc_code = "RESOURCE_EXHAUSTED"
     error_type = "rate_limit_error"
 
+    def __init__(self, message: str, param: str | None = None, retry_after_s: int = 1):
+        super().__init__(message, param)
+        self.retry_after_s = retry_after_s      # the HTTP Retry-After header
+
 
 class NoNodeAvailable(RouterError):
     http_status = 503

@@ -20,7 +20,13 @@ import time
 from aiohttp import web
 
 from router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED_MESSAGE, ApiKeys
-from router.errors import InvalidRequest, PayloadTooLarge, RouterError, Unauthenticated
+from router.errors import (
+    InvalidRequest,
+    Overloaded,
+    PayloadTooLarge,
+    RouterError,
+    Unauthenticated,
+)
 from router.json_body import decode_json
 from router.metrics import CONTENT_TYPE
 from router.openai_format import SSE_DONE, ChunkWriter, error_event, full_response
@@ -42,6 +48,8 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 
 def error_response(err: RouterError) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, Unauthenticated) else None
+    if isinstance(err, Overloaded):
+        headers = {"Retry-After": str(err.retry_after_s)}
     return web.json_response(err.to_openai(), status=err.http_status, headers=headers)
 
 

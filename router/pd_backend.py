@@ -33,6 +33,7 @@ from cluster.rpc_status import DECODE, PREFILL, RpcFailure, failure_of
 from cluster.tls import TlsConfig
 from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
+from router.admission import AdmissionQueue, Turn
 from router.backend import NodeRequest, StepOutput
 from router.errors import InvalidRequest, NodeFailure, NoNodeAvailable, Overloaded, RouterError
 from router.metrics import RouterMetrics
@@ -107,7 +108,7 @@ class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
                  max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
                  stall_timeout_s: float = 60.0, queue_timeout_s: float = 30.0,
-                 tls: TlsConfig | None = None):
+                 queue_depth: int = 1000, tls: TlsConfig | None = None):
         self.pool, self.policy, self.metrics = pool, policy, metrics
         self.max_model_len = max_model_len
         # A decode node that sends nothing for this long, while no prefill is pending for
@@ -116,9 +117,10 @@ class PdBackend:
         # is bounded by the reservation's lease instead, which the decode node enforces.
         self.stall_timeout_s = stall_timeout_s
         self.lease_ms = lease_ms
-        # When every decode node is full, a request waits up to this long for capacity
-        # (retrying with backoff) before the client gets 429.
+        # When every decode node is full, a request waits in a FIFO (router/admission.py)
+        # up to this long, behind at most `queue_depth` others, before the client gets 429.
         self.queue_timeout_s = queue_timeout_s
+        self.admission = AdmissionQueue(queue_depth)
         self.max_attempts = max_attempts
         self.channels = ChannelCache(tls)
 
@@ -152,73 +154,91 @@ class PdBackend:
         tries = 0                        # every call made (names the request on the nodes)
         loop = asyncio.get_running_loop()
         queued_until = loop.time() + self.queue_timeout_s
-        backoff = 0.05
-        while True:
-            prompt = request.prompt_token_ids + streamed
-            if len(prompt) >= self.max_model_len:     # only reachable after a replay
-                yield StepOutput([], finish_reason="length")
-                return
-            params = request.params
-            if streamed:
-                params = dataclasses.replace(params,
-                                             max_tokens=params.max_tokens - len(streamed))
-            rid = request.request_id if tries == 0 else f"{request.request_id}.r{tries}"
-            tries += 1
-            routing = RoutingRequest(rid, prompt)
-            try:
-                pre = self._pick("prefill", routing, exclude["prefill"])
-                dec = self._pick("decode", routing, exclude["decode"])
-            except NoNodeAvailable as exc:
-                if full and loop.time() < queued_until:
-                    # every node that could serve is full: wait for capacity (a queue,
-                    # not a refusal), then ask the full nodes again
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 0.5)
-                    exclude["decode"] -= full
-                    full.clear()
-                    continue
-                if full:
-                    raise Overloaded(f"every node that could serve is full ({len(full)} "
-                                     f"tried: {', '.join(sorted(full))}) for "
-                                     f"{self.queue_timeout_s:g} s; retry later") from None
-                if refusals:
-                    raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
-                                          ) from None
-                raise
-            try:
-                async with contextlib.aclosing(self._attempt(
-                        pre, dec, rid, prompt, params, request.params,
-                        first_attempt=not streamed)) as steps:
-                    async for step in steps:
-                        streamed.extend(step.token_ids)
-                        yield step
-                        if step.finish_reason is not None:
-                            return
-                raise NodeFailure(dec.node_id, "the token stream ended without a finish")
-            except NodeFailure as f:
-                node = pre if f.node_id == pre.node_id else dec
-                await self._node_failed(node, str(f), rid)
-                self.metrics.replays.inc()
-            except _TryOther as t:
-                role = t.role
-                exclude[role].add(t.node_id)
-                refusals.append(f"{t.node_id}: {t.message}")
-                log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
-                         t.node_id, t.code.name, t.message)
-                if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    full.add(t.node_id)
-                    continue             # bounded by the queue timeout, not by attempts
-            attempt += 1
-            if attempt >= self.max_attempts:
-                raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
-                                      f"{refusals[-1] if refusals else 'node failure'}")
-            if streamed:
-                log.info("[%s] replaying with %d streamed tokens on another pair", rid,
-                         len(streamed))
+        turn: Turn | None = None         # this request's place while it waits for room
+        waited = False
+
+        def reserved() -> None:          # a decode node took it: the next waiter's turn
+            nonlocal turn
+            if turn is not None:
+                turn.leave()
+                turn = None
+        try:
+            while True:
+                prompt = request.prompt_token_ids + streamed
+                if len(prompt) >= self.max_model_len:     # only reachable after a replay
+                    yield StepOutput([], finish_reason="length")
+                    return
+                params = request.params
+                if streamed:
+                    params = dataclasses.replace(params,
+                                                 max_tokens=params.max_tokens - len(streamed))
+                rid = request.request_id if tries == 0 else f"{request.request_id}.r{tries}"
+                tries += 1
+                routing = RoutingRequest(rid, prompt)
+                if turn is None and self.admission.depth and not streamed:
+                    turn = self.admission.join()     # others wait for room: behind them
+                    waited = True
+                if turn is not None:
+                    await turn.wait(queued_until, self.queue_timeout_s)
+                try:
+                    pre = self._pick("prefill", routing, exclude["prefill"])
+                    dec = self._pick("decode", routing, exclude["decode"])
+                except NoNodeAvailable as exc:
+                    if full and loop.time() < queued_until:
+                        # every node that could serve is full: wait for room in the queue
+                        # (not a refusal), keeping this request's place once it has one
+                        if turn is None:
+                            turn = self.admission.join(front=waited)
+                            waited = True
+                        exclude["decode"] -= full
+                        full.clear()
+                        continue
+                    if full:
+                        raise Overloaded(f"every node that could serve is full ({len(full)} "
+                                         f"tried: {', '.join(sorted(full))}) for "
+                                         f"{self.queue_timeout_s:g} s; retry later",
+                                         retry_after_s=1) from None
+                    if refusals:
+                        raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
+                                              ) from None
+                    raise
+                try:
+                    async with contextlib.aclosing(self._attempt(
+                            pre, dec, rid, prompt, params, request.params,
+                            first_attempt=not streamed, on_reserved=reserved)) as steps:
+                        async for step in steps:
+                            streamed.extend(step.token_ids)
+                            yield step
+                            if step.finish_reason is not None:
+                                return
+                    raise NodeFailure(dec.node_id, "the token stream ended without a finish")
+                except NodeFailure as f:
+                    node = pre if f.node_id == pre.node_id else dec
+                    await self._node_failed(node, str(f), rid)
+                    self.metrics.replays.inc()
+                except _TryOther as t:
+                    role = t.role
+                    exclude[role].add(t.node_id)
+                    refusals.append(f"{t.node_id}: {t.message}")
+                    log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
+                             t.node_id, t.code.name, t.message)
+                    if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        full.add(t.node_id)
+                        continue             # bounded by the queue timeout, not by attempts
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
+                                          f"{refusals[-1] if refusals else 'node failure'}")
+                if streamed:
+                    log.info("[%s] replaying with %d streamed tokens on another pair", rid,
+                             len(streamed))
+        finally:
+            if turn is not None:
+                turn.leave()
 
     async def _attempt(self, pre: NodeState, dec: NodeState, rid: str, prompt: list[int],
-                       params: SamplingParams, original: SamplingParams, first_attempt: bool
-                       ) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, original: SamplingParams, first_attempt: bool,
+                       on_reserved=None) -> AsyncIterator[StepOutput]:
         decode_stub = node_pb2_grpc.DecodeNodeStub(self.channels.acquire(dec.address))
         prefill_stub = node_pb2_grpc.PrefillNodeStub(self.channels.acquire(pre.address))
         sampling = sampling_to_proto(params)
@@ -261,6 +281,8 @@ class PdBackend:
                 read = asyncio.ensure_future(call.read())
                 if event.HasField("reservation"):
                     r = event.reservation
+                    if on_reserved is not None:
+                        on_reserved()
                     prefill = asyncio.ensure_future(prefill_stub.Prefill(node_pb2.PrefillRequest(
                         request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                         decode_address=dec.address, reservation_id=r.reservation_id,
@@ -299,6 +321,7 @@ class PdBackend:
                                  return_exceptions=True)
             await self.channels.release(dec.address)
             await self.channels.release(pre.address)
+            self.admission.wake()            # this request's room is free again
 
 
 def _stop_reason(value: str, params: SamplingParams) -> int | str | None:

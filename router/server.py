@@ -31,6 +31,7 @@ class RouterConfig:
     max_attempts: int = 4                       # pairs tried per request (replays included)
     stall_timeout_s: float = 60.0               # silent decode node (prefill done) -> replay
     queue_timeout_s: float = 30.0               # every decode node full: wait, then 429
+    queue_depth: int = 1000                     # waiting requests beyond this: 429 at once
     ready_file: str | None = None               # JSON {"http": url, "grpc": addr} once serving
     drain_timeout: float = 30.0
     # The public edge (docs/SECURITY.md): keys clients must send (none: open), /metrics on
@@ -57,6 +58,8 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not self.queue_timeout_s >= 0:
             raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s}")
+        if self.queue_depth < 0:
+            raise ValueError(f"queue_depth must be >= 0, got {self.queue_depth}")
         if not self.stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.lease_ms < 1000:
@@ -88,7 +91,8 @@ class Router:
                                  max_model_len=self.info.max_model_len,
                                  lease_ms=config.lease_ms, max_attempts=config.max_attempts,
                                  stall_timeout_s=config.stall_timeout_s,
-                                 queue_timeout_s=config.queue_timeout_s, tls=config.tls)
+                                 queue_timeout_s=config.queue_timeout_s,
+                                 queue_depth=config.queue_depth, tls=config.tls)
         self.service = RouterService(self.info, load_tokenizer(self.info), self.backend,
                                      self.metrics)
         if registry is None:

@@ -49,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     env_argument(p, "--queue-timeout", "PDSERVE_QUEUE_TIMEOUT", default=30.0, type=float,
                  metavar="SECONDS",
                  help="when every decode node is full, a request waits this long for room "
-                      "(retrying with backoff) before it is answered 429")
+                      "(in a FIFO queue) before it is answered 429")
+    env_argument(p, "--queue-depth", "PDSERVE_QUEUE_DEPTH", default=1000, type=int,
+                 metavar="N",
+                 help="at most this many requests wait for room; the next is answered 429 "
+                      "with Retry-After at once")
     env_argument(p, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write {\"http\": URL, \"grpc\": ADDR} here once serving")
     env_secret_list_argument(
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                               cluster=args.cluster, policy=args.policy,
                               max_model_len=args.max_model_len, max_attempts=args.max_attempts,
                               stall_timeout_s=args.stall_timeout,
-                              queue_timeout_s=args.queue_timeout, ready_file=args.ready_file,
+                              queue_timeout_s=args.queue_timeout,
+                              queue_depth=args.queue_depth, ready_file=args.ready_file,
                               api_keys=tuple(args.api_key), metrics=args.metrics,
                               grpc_reflection=args.grpc_reflection,
                               tls=tls_from_args(args), etcd_user=args.etcd_user,

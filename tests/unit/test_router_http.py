@@ -258,6 +258,19 @@ def test_backend_errors_map_to_status_even_when_streaming(model_dir, error, stat
     assert err["message"] == error.message and err["type"] == kind
 
 
+
+def test_429_says_when_to_retry(model_dir):
+    backend = ScriptedBackend(TOKENS, error=Overloaded("queue full", retry_after_s=7))
+
+    async def go(http):
+        async with http.post("/v1/completions", data=json.dumps(
+                {"model": "tiny", "prompt": "x"}),
+                headers={"Content-Type": "application/json"}) as r:
+            return r.status, r.headers.get("Retry-After")
+
+    assert _serve(model_dir, backend, go) == (429, "7")
+
+
 def test_models_health_metrics_and_unknown_route(model_dir):
     backend = ScriptedBackend(TOKENS[:2])
 
