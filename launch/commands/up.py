@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import time
 
@@ -61,6 +62,9 @@ def speculative_args(args: argparse.Namespace) -> list[str]:
 
 def _banner(cluster, model_name: str) -> str:
     http, grpc = cluster.http_url, cluster.grpc_address
+    # the router inherits PDSERVE_API_KEY: say so, and show the header (never the key)
+    keyed = bool(os.environ.get("PDSERVE_API_KEY", "").strip())
+    auth = " -H \"Authorization: Bearer $PDSERVE_API_KEY\"" if keyed else ""
     body = json.dumps({"model": model_name, "max_tokens": 32, "messages": [
         {"role": "user", "content": "What is the capital of France?"}]})
     return "\n".join([
@@ -72,9 +76,11 @@ def _banner(cluster, model_name: str) -> str:
         f"  logs:            {cluster.run_dir}",
         "  node links:      " + (f"mutual TLS (certificates in {cluster.tls_dir})"
                                   if cluster.config.tls else "plaintext (--insecure)"),
+        "  API key:         " + ("required (clients send PDSERVE_API_KEY)" if keyed
+                                 else "none (set PDSERVE_API_KEY to require one)"),
         "",
         "Try:",
-        f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"  curl -s {http}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
         f"       -d '{body}'",
         f"  pdserve generate --router {grpc} --stream \"The capital of France is\"",
         "",

@@ -1,5 +1,7 @@
 """`pdserve up` as a user runs it: starts etcd, nodes and a router, prints the endpoints and
-a curl example, serves the printed endpoint, and on Ctrl-C (SIGINT) stops all it started."""
+a curl example, serves the printed endpoint, and on Ctrl-C (SIGINT) stops all it started.
+Secure as a user would run it: an API key (PDSERVE_API_KEY) and mutual TLS inside (the
+default); the openai client and `pdserve generate` work against it with the key."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from tests.integration.router_harness import MODEL, Req, reference, tiny_model_f
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
+KEY = "up-test-key-7c1d"
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -52,11 +56,12 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
 
     folder = tiny_model_folder(tmp_path / "models")
     http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_API_KEY": KEY}
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--prefill", "1",
          "--decode", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
          "--dtype", "float32", "--max-num-seqs", "4"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
@@ -80,13 +85,38 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
         url, body = curl.group(1), json.loads(curl.group(2))
         assert body["model"] == MODEL
         body["temperature"] = 0           # the example samples; greedy to compare exactly
+        assert '-H "Authorization: Bearer $PDSERVE_API_KEY"' in out and KEY not in out
+        assert "API key:         required" in out
+        headers = {"Content-Type": "application/json"}
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as denied:      # no key: 401
+            urllib.request.urlopen(req, timeout=60)
+        assert denied.value.code == 401
         req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={**headers, "Authorization": f"Bearer {KEY}"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             answer = json.loads(resp.read())
-        want = reference(LLM(folder, dtype="float32"),
-                         Req("http", messages=body["messages"], max_tokens=body["max_tokens"]))
+        llm = LLM(folder, dtype="float32")
+        want = reference(llm, Req("http", messages=body["messages"],
+                                  max_tokens=body["max_tokens"]))
         assert answer["choices"][0]["message"]["content"] == want[1]
+
+        # the openai client with the key, streaming
+        from openai import OpenAI
+        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY)
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=body["max_tokens"], temperature=0,
+            messages=body["messages"]))
+        assert text == want[1]
+        # `pdserve generate` as printed (it reads PDSERVE_API_KEY), greedy
+        gen = subprocess.run(
+            [sys.executable, "-m", "launch.cli", "generate", "--router",
+             f"127.0.0.1:{grpc_port}", "--max-tokens", "8", "--temperature", "0",
+             "The capital of France is"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stderr
+        want_gen = reference(llm, Req("grpc", "The capital of France is", 8))
+        assert want_gen[1] and want_gen[1] in gen.stdout, (gen.stdout, want_gen)
         assert len(_processes_mentioning(run_dir)) >= 3      # etcd, 2 nodes, router
         # ... and it was served over mutual TLS, the default: every node and the router run
         # with their own certificate, and a node's gRPC port refuses a plaintext client
