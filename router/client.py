@@ -96,6 +96,13 @@ def build_request(prompt: str | list[int], model: str = "", request_id: str = ""
     return req
 
 
+def _credentials(tls_ca: str | None):
+    if tls_ca is None:
+        return None
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     """The call metadata carrying `api_key` (or PDSERVE_API_KEY's first key when None)."""
     if api_key is None:
@@ -118,8 +125,12 @@ def to_chunk(resp: api_pb2.GenerateResponse) -> Chunk:
 
 class GenerationClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
-                 api_key: str | None = None):
-        self.channel = grpc.insecure_channel(address)
+                 api_key: str | None = None, tls_ca: str | None = None):
+        """tls_ca: a PEM file of the CA that signed the router's certificate: TLS (a
+        router with --public-tls-cert); None: plaintext."""
+        creds = _credentials(tls_ca)
+        self.channel = (grpc.secure_channel(address, creds) if creds is not None
+                        else grpc.insecure_channel(address))
         self.metadata = auth_metadata(api_key)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
@@ -158,8 +169,10 @@ class GenerationClient:
 
 class AsyncGenerationClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
-                 api_key: str | None = None):
-        self.channel = grpc.aio.insecure_channel(address)
+                 api_key: str | None = None, tls_ca: str | None = None):
+        creds = _credentials(tls_ca)
+        self.channel = (grpc.aio.secure_channel(address, creds) if creds is not None
+                        else grpc.aio.insecure_channel(address))
         self.metadata = auth_metadata(api_key)
         self.stub = api_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout

@@ -19,6 +19,7 @@ from protos import api_pb2, api_pb2_grpc, common_pb2
 from router.auth import ApiKeys
 from router.errors import InvalidRequest, RouterError
 from router.grpc_edge import MAX_GRPC_MESSAGE_BYTES, EdgeInterceptor
+from router.public_tls import PublicTls
 from router.requests import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ParsedRequest,
@@ -116,7 +117,7 @@ class GrpcFront:
     """The gRPC server plus a task that keeps the health status in step with the nodes."""
 
     def __init__(self, service: RouterService, address: str, api_keys: ApiKeys | None = None,
-                 reflection_on: bool = False):
+                 reflection_on: bool = False, public_tls: PublicTls | None = None):
         self.service = service
         self.server = grpc.aio.server(
             interceptors=[EdgeInterceptor(api_keys or ApiKeys())],
@@ -129,7 +130,10 @@ class GrpcFront:
             names = (api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
                      health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(address)
+        if public_tls is not None:
+            self.port = self.server.add_secure_port(address, public_tls.grpc_credentials())
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address} (gRPC)")
         self._health_task: asyncio.Task | None = None

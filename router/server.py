@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.tls import TlsConfig
+from router.public_tls import PublicTls
 
 log = logging.getLogger("pdserve.router")
 
@@ -43,6 +44,8 @@ class RouterConfig:
     tls: TlsConfig | None = None
     etcd_user: str | None = None
     etcd_password: str | None = field(default=None, repr=False)
+    # TLS on the public HTTP and gRPC listeners (router/public_tls.py; None: plaintext)
+    public_tls: PublicTls | None = None
 
     def __post_init__(self):
         from router.policies import POLICIES
@@ -122,12 +125,14 @@ class Router:
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host, _, port = self.config.http_listen.rpartition(":")
-        site = web.TCPSite(self._runner, host, int(port))
+        tls = self.config.public_tls
+        site = web.TCPSite(self._runner, host, int(port),
+                           ssl_context=tls.ssl_context() if tls is not None else None)
         await site.start()
         bound = self._runner.addresses[0][1]                  # port 0: the one chosen
-        self.http_url = f"http://{host}:{bound}"
+        self.http_url = f"{'https' if tls is not None else 'http'}://{host}:{bound}"
         self._grpc = GrpcFront(self.service, self.config.grpc_listen, api_keys=self.api_keys,
-                               reflection_on=self.config.grpc_reflection)
+                               reflection_on=self.config.grpc_reflection, public_tls=tls)
         await self._grpc.start()
         ghost = self.config.grpc_listen.rpartition(":")[0]
         self.grpc_address = f"{ghost}:{self._grpc.port}"

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     env_argument(p, "--api-key", "PDSERVE_API_KEY", default=None, metavar="KEY",
                  help="the router's API key, sent as `authorization: Bearer KEY` (of a "
                       "comma-separated list, the first)")
+    env_argument(p, "--router-ca", "PDSERVE_ROUTER_CA", default=None, metavar="PEM",
+                 help="connect over TLS, trusting this CA for the router's certificate "
+                      "(a router with --public-tls-cert)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     out = Completion()
     try:
         key = next((k.strip() for k in (args.api_key or "").split(",") if k.strip()), None)
-        with GenerationClient(args.router, timeout=args.timeout, api_key=key) as client:
+        with GenerationClient(args.router, timeout=args.timeout, api_key=key,
+                              tls_ca=args.router_ca) as client:
             for chunk in client.stream(args.prompt, model=args.model, **sampling):
                 out.add(chunk)
                 if args.stream:

@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="serve Prometheus /metrics on the HTTP port (open, without a key)")
     env_flag(p, "--grpc-reflection", "PDSERVE_GRPC_REFLECTION",
              help="enable gRPC server reflection (lists the API to clients; default: off)")
+    env_argument(p, "--public-tls-cert", "PDSERVE_PUBLIC_TLS_CERT", default=None, metavar="PEM",
+                 help="serve HTTPS and gRPC over TLS with this certificate (chain) for public "
+                      "clients (default: plaintext, e.g. behind a TLS-terminating ingress)")
+    env_argument(p, "--public-tls-key", "PDSERVE_PUBLIC_TLS_KEY", default=None, metavar="PEM",
+                 help="the private key of --public-tls-cert")
     add_etcd_auth_arguments(p)
     add_tls_arguments(p)
 
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from launch.cli_common import tls_from_args
+    from router.public_tls import PublicTls
     from router.server import RouterConfig, serve
 
     model = args.model
@@ -91,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
                               api_keys=tuple(args.api_key), metrics=args.metrics,
                               grpc_reflection=args.grpc_reflection,
                               tls=tls_from_args(args), etcd_user=args.etcd_user,
-                              etcd_password=args.etcd_password)
+                              etcd_password=args.etcd_password,
+                              public_tls=PublicTls.from_args(args.public_tls_cert,
+                                                             args.public_tls_key))
         asyncio.run(serve(config))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

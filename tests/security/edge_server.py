@@ -26,12 +26,14 @@ GREEDY = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
 
 class EdgeServer:
     def __init__(self, model_dir, backend, *, api_keys=(), info: ModelInfo | None = None,
-                 tokenizer=None, reflection_on: bool = False, **app_options):
+                 tokenizer=None, reflection_on: bool = False, public_tls=None,
+                 **app_options):
         self.backend = backend
         self.info = info or ModelInfo.from_folder(model_dir, name="tiny")
         self.tokenizer = tokenizer or Tokenizer(model_dir)
         self.keys = ApiKeys(api_keys)
         self.reflection_on = reflection_on
+        self.public_tls = public_tls           # router/public_tls.py PublicTls, or None
         self.app_options = app_options
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -43,11 +45,14 @@ class EdgeServer:
         app = make_app(service, api_keys=self.keys, **self.app_options)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        tls = self.public_tls
+        site = web.TCPSite(self._runner, "127.0.0.1", 0,
+                           ssl_context=tls.ssl_context() if tls is not None else None)
         await site.start()
-        self.http_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        scheme = "https" if tls is not None else "http"
+        self.http_url = f"{scheme}://127.0.0.1:{self._runner.addresses[0][1]}"
         self._grpc = GrpcFront(service, "127.0.0.1:0", api_keys=self.keys,
-                               reflection_on=self.reflection_on)
+                               reflection_on=self.reflection_on, public_tls=tls)
         await self._grpc.start()
         self.grpc_address = f"127.0.0.1:{self._grpc.port}"
 
