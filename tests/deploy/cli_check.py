@@ -187,9 +187,14 @@ def check_node(c: ContainerView, args: argparse.Namespace) -> list[str]:
     port = split_address(args.listen)[1]
     problems += _check_probe_ports(c, {port})
     ready = c.container.get("readinessProbe", {})
-    if ready.get("grpc", {}).get("port") != port:
+    # with cluster TLS the port admits only cluster certificates: the image's health check
+    # (launch.healthcheck, the node's own certificate) replaces the kubelet's grpc probe
+    tls = bool(args.tls_cert)
+    healthcheck = ready.get("exec", {}).get("command") == ["python", "-m", "launch.healthcheck"]
+    if not (healthcheck if tls else ready.get("grpc", {}).get("port") == port):
         problems.append(f"{c.where}: readinessProbe must be the gRPC health check on the "
-                        f"--listen port {port}")
+                        f"--listen port {port}"
+                        + (" (with TLS: `python -m launch.healthcheck`)" if tls else ""))
     if "grpc" in c.container.get("livenessProbe", {}):
         problems.append(f"{c.where}: livenessProbe uses gRPC health, which is NOT_SERVING "
                         f"while draining: the node would be killed mid-drain")

@@ -28,6 +28,18 @@ configMapGenerator:
     return folder
 
 
+def write_cluster_tls_overlay(folder: Path) -> Path:
+    """cpu-dev + the cluster-tls component (mutual TLS from the pdserve-tls Secret)."""
+    rel = os.path.relpath(K8S, folder)
+    (folder / "kustomization.yaml").write_text(f"""\
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [{rel}/overlays/cpu-dev]
+components: [{rel}/components/cluster-tls]
+""")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """name -> rendered objects, for the base, every overlay and the external-etcd setup."""
@@ -35,7 +47,8 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     for name in OVERLAYS:
         out[name] = render(K8S / "overlays" / name)
     out["external-etcd"] = render(write_external_etcd_overlay(tmp_path_factory.mktemp("ext")))
+    out["cluster-tls"] = render(write_cluster_tls_overlay(tmp_path_factory.mktemp("tls")))
     return out
 
 
-RENDERED_NAMES = ("base", *OVERLAYS, "external-etcd")
+RENDERED_NAMES = ("base", *OVERLAYS, "external-etcd", "cluster-tls")

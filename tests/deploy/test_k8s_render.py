@@ -114,3 +114,24 @@ def test_overlay_pins_its_image_variant(rendered, overlay):
                         + o["spec"]["template"]["spec"].get("initContainers", []))}
     tag = {"cpu-dev": "cpu"}.get(overlay, overlay)
     assert images == {f"pdserve:{tag}"}
+
+
+def test_cluster_tls_mounts_the_secret_and_probes_with_the_node_certificate(rendered):
+    objects = rendered["cluster-tls"]
+    for role in ("router", "prefill", "decode"):
+        pod = one(objects, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "pdserve-tls"
+        assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"][
+            "fsGroup"] == pod["securityContext"]["runAsGroup"]
+        (c,) = [c for c in pod["containers"] if c["name"] == role]
+        assert {"name": "tls", "mountPath": "/etc/pdserve/tls", "readOnly": True} in \
+            c["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["PDSERVE_TLS_CA"] == "/etc/pdserve/tls/ca.crt"
+        assert env["PDSERVE_TLS_CERT"] == f"/etc/pdserve/tls/{role}.crt"
+        assert env["PDSERVE_TLS_KEY"] == f"/etc/pdserve/tls/{role}.key"
+        if role != "router":        # a kubelet grpc probe cannot show a client certificate
+            for probe in ("startupProbe", "readinessProbe"):
+                assert "grpc" not in c[probe], (role, probe)
+                assert c[probe]["exec"]["command"] == ["python", "-m", "launch.healthcheck"]
