@@ -68,7 +68,7 @@ def test_http_health_and_metrics_stay_open(edge):
     assert status == 200 and body == {"status": "ok"}
     import urllib.request
     with urllib.request.urlopen(edge.http_url + "/metrics", timeout=30) as resp:
-        assert resp.status == 200
+        assert resp.getcode() == 200
         assert b"pdserve_router_requests_total" in resp.read()
 
 

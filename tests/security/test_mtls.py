@@ -110,7 +110,7 @@ def test_grpc_server_admits_only_clients_of_the_cluster_ca(folder, certs):
     async def main():
         async with Node(folder, certs["node"]) as n:
             reply = await _health(n.address, certs["client"])
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert health_pb2.HealthCheckResponse.SERVING == reply.status
             refused = {}
             for name, tls, cert_less in (("plaintext", None, False),
                                          ("rogue CA", certs["rogue"], False),
@@ -121,7 +121,7 @@ def test_grpc_server_admits_only_clients_of_the_cluster_ca(folder, certs):
             assert refused == {k: grpc.StatusCode.UNAVAILABLE for k in refused}
             # and the cluster's client still works after the refusals
             reply = await _health(n.address, certs["client"])
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert health_pb2.HealthCheckResponse.SERVING == reply.status
     asyncio.run(main())
 
 
