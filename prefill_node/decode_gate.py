@@ -14,7 +14,9 @@ answers `allows(address)` before anything is dialed, the abort notice included:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from cluster.discovery import ClusterView, Registry
@@ -25,6 +27,9 @@ log = logging.getLogger("prefill_node")
 class DecodeGate:
     def allows(self, address: str) -> bool:
         raise NotImplementedError
+
+    async def admits(self, address: str) -> bool:
+        return self.allows(address)
 
     def describe(self) -> str:
         return type(self).__name__
@@ -57,16 +62,42 @@ class StaticDecodeGate(DecodeGate):
 
 class DiscoveryDecodeGate(DecodeGate):
     """Addresses of the decode nodes in the registry, as the routers see them (a router
-    sends the address from the same NodeRecord)."""
+    sends the address from the same NodeRecord), and of those that left it less than
+    `grace_s` ago: a decode node deregisters first when it drains, yet still takes the
+    pushes of the reservations it granted; refusing those would fail their requests. A
+    caller still cannot aim the node at a host that never was a decode node."""
 
-    def __init__(self, registry: Registry, close_registry: bool = False):
+    def __init__(self, registry: Registry, close_registry: bool = False,
+                 grace_s: float = 120.0):
         """close_registry: the registry is this gate's own (launch builds one for it), so
         close it with the gate."""
         self.view = ClusterView(registry)
         self.close_registry = close_registry
+        self.grace_s = grace_s
+        self._last_seen: dict[str, float] = {}     # address -> when last registered
 
     def allows(self, address: str) -> bool:
-        return any(r.address == address for r in self.view.nodes("decode"))
+        now = time.monotonic()
+        for r in self.view.nodes("decode"):
+            self._last_seen[r.address] = now
+        seen = self._last_seen.get(address)
+        if seen is None:
+            return False
+        if now - seen > self.grace_s:
+            del self._last_seen[address]
+            return False
+        return True
+
+    async def admits(self, address: str, wait_s: float = 2.0) -> bool:
+        """`allows`, waiting up to `wait_s` for this node's discovery watch to catch up
+        with a decode node that registered a moment ago (the router may see it first)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self.allows(address):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def describe(self) -> str:
         return "decode nodes registered in discovery"

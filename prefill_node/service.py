@@ -55,15 +55,17 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
 
     async def Prefill(self, request: node_pb2.PrefillRequest, context):
         rid = request.request_id
-        if request.decode_address and not self.decode_gate.allows(request.decode_address):
+        if request.decode_address and not await self.decode_gate.admits(
+                request.decode_address):
             # refused before any dial, the abort notice included: the address is not ours
-            # to contact (a caller cannot aim this node at an arbitrary host)
+            # to contact (a caller cannot aim this node at an arbitrary host). The decode
+            # side is what is wrong, and this node is fine: the router tries another pair.
             log.warning("request %s: refused to push to %r: not a registered decode node",
                         rid, request.decode_address)
             await RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
                              f"decode address {request.decode_address!r} is not a registered "
                              f"decode node (allowed: {self.decode_gate.describe()})",
-                             PREFILL).abort(context)
+                             DECODE, replay=True).abort(context)
         invalid = self._invalid(request)
         if invalid:
             await self._notify_decode(request, invalid)

@@ -276,19 +276,24 @@ def test_discovery_gate_follows_the_registered_decode_nodes():
         await decode.register(NodeRecord("d1", "decode", "10.0.0.5:7001", "inc-1"))
         await MemoryRegistry("c", store).register(NodeRecord("p1", "prefill", "10.0.0.6:7002",
                                                              "inc-2"))
-        gate = DiscoveryDecodeGate(MemoryRegistry("c", store))
+        gate = DiscoveryDecodeGate(MemoryRegistry("c", store), grace_s=0.3)
         assert not gate.allows("10.0.0.5:7001"), "nothing is allowed before the snapshot"
         await gate.start()
         await gate.view.wait_for(lambda v: v.nodes("decode"), 5.0)
         seen = [gate.allows(a) for a in ("10.0.0.5:7001", "10.0.0.6:7002", "10.0.0.5:7009")]
         await decode.deregister()
         await gate.view.wait_for(lambda v: not v.nodes("decode"), 5.0)
+        # a draining decode node left discovery first but still takes the pushes of the
+        # reservations it granted; after the grace period it is no target any more
+        draining = gate.allows("10.0.0.5:7001")
+        await asyncio.sleep(0.4)
         gone = gate.allows("10.0.0.5:7001")
         await gate.close()
-        return seen, gone
-    seen, gone = asyncio.run(main())
+        return seen, draining, gone
+    seen, draining, gone = asyncio.run(main())
     assert seen == [True, False, False], "only a registered decode node's address"
-    assert gone is False, "a node that left discovery is no longer a target"
+    assert draining is True, "a node that just left (draining) still takes its pushes"
+    assert gone is False, "a node that left discovery for good is no longer a target"
 
 
 # ---- the raw-TCP data plane --------------------------------------------------------------
