@@ -370,10 +370,13 @@ def _classify(failure: RpcFailure, node: NodeState) -> Exception:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(message)
     # PERMISSION_DENIED: e.g. a prefill node whose discovery view does not (yet) hold the
-    # decode node; another pair may well serve
+    # decode node. INTERNAL / UNKNOWN: a call or push broken inside gRPC or a node (seen:
+    # a push into a decode node as it drained). Another pair may well serve, and the
+    # client should get its tokens, not a 500; attempts stay bounded by max_attempts.
     if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.PERMISSION_DENIED):
+                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.UNKNOWN):
         return _TryOther(node, code, message)
     if code in _NODE_DOWN:
         return NodeFailure(node.node_id, f"{code.name}: {message}")

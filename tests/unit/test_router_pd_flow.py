@@ -467,3 +467,21 @@ def test_past_the_queue_depth_the_answer_is_429_at_once_with_retry_after():
     # one in service, two waiting; the other three are refused at once, with the hint
     assert len(served) == 3 and len(refused) == 3
     assert all("--queue-depth 2" in o.message and o.retry_after_s >= 1 for o in refused)
+
+
+def test_an_internal_error_on_one_pair_is_replayed_on_another_not_a_500():
+    """A push broken inside gRPC or a node (INTERNAL; seen when a decode node drained under
+    a push) must cost a replay, not the client's request."""
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(
+            shared, [{}], [{"refuse": grpc.StatusCode.INTERNAL}, {}])
+        tokens, _ = await _collect(backend, "r10", PROMPT, 4)
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens
+
+    shared, tokens = _run(main())
+    assert tokens == _expected(PROMPT, 4)
+    assert [r.request_id for r in shared.prefill_requests] == ["r10", "r10.r1"]
