@@ -154,6 +154,11 @@ def scrape(http_url: str) -> str:
         return resp.read().decode()
 
 
+def router_inflight(http_url: str) -> dict[str, float]:
+    """{node: requests the router has on it now}, from its /metrics."""
+    return metric_values(scrape(http_url), "pdserve_router_node_inflight_requests")
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

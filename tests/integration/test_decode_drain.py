@@ -28,8 +28,8 @@ import pytest
 from tests.integration.router_harness import (
     MODEL,
     Req,
-    metric_values,
     reference,
+    router_inflight,
     run_batch,
     scrape,
     start_cluster,
@@ -61,7 +61,7 @@ def test_sigterm_decode_node_during_32_streams_loses_nothing(cluster, llm):
     drained: dict[str, object] = {}
 
     def inflight() -> dict[str, float]:
-        return metric_values(scrape(cluster.http_url), "pdserve_router_node_inflight_requests")
+        return router_inflight(cluster.http_url)
 
     def stop_busiest():
         # SIGTERM the decode node with the most streams once both nodes carry some

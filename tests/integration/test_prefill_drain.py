@@ -26,10 +26,9 @@ import pytest
 from tests.integration.router_harness import (
     MODEL,
     Req,
-    metric_values,
     reference,
+    router_inflight,
     run_batch,
-    scrape,
     start_cluster,
     wait_for,
 )
@@ -60,7 +59,7 @@ def test_sigterm_prefill_node_during_32_streams_loses_nothing(cluster, llm):
     sent = threading.Event()
 
     def inflight() -> dict[str, float]:
-        return metric_values(scrape(cluster.http_url), "pdserve_router_node_inflight_requests")
+        return router_inflight(cluster.http_url)
 
     def stop_one():
         # SIGTERM a prefill node as soon as the router has work on it

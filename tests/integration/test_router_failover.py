@@ -27,6 +27,7 @@ from tests.integration.router_harness import (
     metric_values,
     mixed_batch,
     reference,
+    router_inflight,
     run_batch,
     scrape,
     start_cluster,
@@ -41,10 +42,6 @@ def cluster(folder, tmp_path_factory):
     c = start_cluster(folder, tmp_path_factory.mktemp("cluster-2x2"), prefill=2, decode=2)
     yield c
     c.stop()
-
-
-def _inflight(http_url: str) -> dict[str, float]:
-    return metric_values(scrape(http_url), "pdserve_router_node_inflight_requests")
 
 
 def test_pd_2x2_equals_single_node_llm(cluster, llm):
@@ -82,7 +79,7 @@ def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
                 finish = choice["finish_reason"] or finish
                 if len(tokens) >= 3 and not killed:
                     busy = [n for n, v in (await asyncio.to_thread(
-                        _inflight, cluster.http_url)).items()
+                        router_inflight, cluster.http_url)).items()
                         if n.startswith("decode") and v > 0]
                     assert len(busy) == 1, busy
                     node = next(c for c in cluster.nodes if c.name == busy[0])
@@ -105,10 +102,10 @@ def test_sigterm_node_leaves_routing_within_lease_ttl_and_no_request_fails(clust
     # the previous test killed one decode node: bring a fresh one in first
     fresh = cluster.add_node("decode", index=2)
     cluster.wait_ready([fresh], 120)
-    assert wait_for(lambda: "decode-2" in _inflight(cluster.http_url), 10)
+    assert wait_for(lambda: "decode-2" in router_inflight(cluster.http_url), 10)
 
     def decode_nodes() -> list[str]:
-        return [n for n in _inflight(cluster.http_url) if n.startswith("decode")]
+        return [n for n in router_inflight(cluster.http_url) if n.startswith("decode")]
 
     # the node SIGKILLed by the previous test stays listed until its lease runs out
     assert wait_for(lambda: len(decode_nodes()) == 2, 4 * LEASE_TTL + 10), decode_nodes()
@@ -127,7 +124,7 @@ def test_sigterm_node_leaves_routing_within_lease_ttl_and_no_request_fails(clust
         node.signal(signal.SIGTERM)
         # a drained node deregisters at once; the lease TTL bounds it even if that is lost
         # (slack for a loaded CI machine, where the watch event can lag a little)
-        if wait_for(lambda: "decode-2" not in _inflight(cluster.http_url), 2 * LEASE_TTL + 1,
+        if wait_for(lambda: "decode-2" not in router_inflight(cluster.http_url), 2 * LEASE_TTL + 1,
                     0.05):
             gone_after.append(time.monotonic() - t0)
         assert node.wait(60) == 0
@@ -148,5 +145,5 @@ def test_sigterm_node_leaves_routing_within_lease_ttl_and_no_request_fails(clust
     assert gone_after, "the SIGTERMed node was still routed to after the lease TTL"
     for i, req in enumerate(reqs):
         assert results[i] == reference(llm, req), f"request {i}"
-    assert sorted(n for n in _inflight(cluster.http_url) if n.startswith("decode")) == sorted(
+    assert sorted(n for n in router_inflight(cluster.http_url) if n.startswith("decode")) == sorted(
         set(decodes) - {"decode-2"})
