@@ -92,7 +92,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                                      push_token=request.push_token)
         sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
                             self.chunk_bytes,
-                            raw_payload=getattr(self.transport, "wants_raw_payload", False))
+                            raw_payload=getattr(self.transport, "wants_raw_payload", False),
+                            lease_ms=request.lease_ms)
 
         try:
             command = push_request(rid, list(request.prompt_token_ids), params,

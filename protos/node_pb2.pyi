@@ -100,7 +100,7 @@ class DecodeEvent(_message.Message):
     def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation_id", "block_ids", "num_cached_blocks", "decode_fingerprint", "push_token")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "reservation_id", "block_ids", "num_cached_blocks", "decode_fingerprint", "push_token", "lease_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class PrefillRequest(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -119,7 +120,8 @@ class PrefillRequest(_message.Message):
     num_cached_blocks: int
     decode_fingerprint: Fingerprint
     push_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., decode_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., push_token: _Optional[bytes] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., reservation_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., decode_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., push_token: _Optional[bytes] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_pushed_blocks", "pushed_bytes", "prefix_cached_tokens")

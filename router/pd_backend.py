@@ -289,7 +289,9 @@ class PdBackend:
                         block_ids=r.block_ids, num_cached_blocks=r.num_cached_blocks,
                         decode_fingerprint=r.fingerprint,
                         # the reservation's secret: to the chosen prefill node only
-                        push_token=r.push_token)))
+                        push_token=r.push_token,
+                        # the granted lease (a node may cap the ask): keepalives fit in it
+                        lease_ms=r.lease_ms)))
                     continue
                 t = event.tokens
                 finish = finish_from_proto(t.finish_reason)

@@ -42,16 +42,26 @@ class PushError:
 
 PushEvent = LayerReady | FirstToken | PushError
 
-# A push silent this long sends a keepalive, which renews the decode node's lease: well
-# under any lease (the router asks for 30 s), so only a hung or dead sender loses one.
+# A push silent this long sends a keepalive, which renews the decode node's lease, so only
+# a hung or dead sender loses one: a quarter of the granted lease (several keepalives fit
+# in it even when this process is starved of CPU), at most KEEPALIVE_S.
 KEEPALIVE_S = 2.0
+MIN_KEEPALIVE_S = 0.05
+
+
+def keepalive_interval(lease_ms: int) -> float:
+    """Seconds between keepalives for a reservation granted `lease_ms` (0: not told)."""
+    if lease_ms <= 0:
+        return KEEPALIVE_S
+    return min(KEEPALIVE_S, max(MIN_KEEPALIVE_S, lease_ms / 4000))
 
 
 class PushSender:
     """One request's push. The on_* methods run on the engine thread and only enqueue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, header: node_pb2.PushHeader,
-                 dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, raw_payload: bool = False):
+                 dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, raw_payload: bool = False,
+                 lease_ms: int = 0):
         self.loop = loop
         # raw_payload: yield (message, bytes view) pairs for transports that move chunk
         # bytes outside the message (no copy into protobuf)
@@ -67,7 +77,7 @@ class PushSender:
         self.num_bytes = 0
         self.blocks_pushed: set[int] = set()
         self.token_ready = asyncio.Event()
-        self.keepalive_s = KEEPALIVE_S
+        self.keepalive_s = keepalive_interval(lease_ms)
 
     # ---- engine thread (KvSink) ----------------------------------------------------
     def _put(self, event: PushEvent) -> None:

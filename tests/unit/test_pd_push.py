@@ -228,3 +228,19 @@ def test_an_idle_sender_sends_keepalives():
         await msgs.aclose()
         return kinds
     assert run(body()) == ["header", "keepalive", "keepalive", "keepalive"]
+
+
+def test_keepalives_fit_the_granted_lease():
+    """The router passes the lease the decode node granted (which may be capped far below
+    what it asked); the sender keeps it alive four times per lease, at most every 2 s."""
+    from cluster.kv_transfer.sender import KEEPALIVE_S, PushSender, keepalive_interval
+
+    assert keepalive_interval(0) == KEEPALIVE_S           # an older router: not told
+    assert keepalive_interval(30_000) == KEEPALIVE_S
+    assert keepalive_interval(1_000) == pytest.approx(0.25)
+    assert keepalive_interval(1) == pytest.approx(0.05)   # floor: no busy loop
+
+    async def made():
+        return PushSender(asyncio.get_running_loop(), node_pb2.PushHeader(request_id="r"),
+                          "float32", lease_ms=400).keepalive_s
+    assert run(made()) == pytest.approx(0.1)
