@@ -8,6 +8,13 @@ import logging
 
 from launch.cli_common import CliError, tls_from_args
 
+# A draining node keeps its listener this long after leaving discovery (refusing new work
+# with the replay hint): a router whose watch has not yet delivered the deregistration may
+# still pick it, and a refusal makes it try another pair, while a closed port would count
+# as a node failure. Found by the 64-stream decode-drain test: a node with little left to
+# finish exited before the router saw it leave (connection refused, 1 run in 4).
+LEAVE_GRACE_S = 2.0
+
 log = logging.getLogger("cluster.node")
 
 
@@ -130,9 +137,11 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
     # release reservations whose push has not begun (their callers replay elsewhere),
     # then finish what was admitted.
     await presence.stop()
+    left_at = asyncio.get_running_loop().time()
     node.begin_drain()
     await server.set_serving(False)
     await drain(lambda: node.service.in_flight, args.drain_timeout, f"{role} node {node_id}")
+    await asyncio.sleep(left_at + LEAVE_GRACE_S - asyncio.get_running_loop().time())
     await server.stop(grace=1.0)
     await node.stop()
     log.info("%s node %s stopped", role, node_id)

@@ -26,6 +26,11 @@ CONFIGS = {
     "qwen3-qknorm-hd24": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2,
                                         head_dim=24, tie_word_embeddings=True)),
 }
+# not in the exactness grids (same architecture as one there): long prompts for fault tests
+LONG_CONTEXT = {
+    "qwen2-long": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1,
+                                 tie_word_embeddings=False, max_position_embeddings=2048)),
+}
 
 
 def _config(arch: str, overrides: dict):
@@ -41,7 +46,7 @@ def _config(arch: str, overrides: dict):
 def make_tiny_model(name: str, root: Path, seed: int = 0):
     """Create (or reuse) the model folder; returns (folder, hf_model in float32)."""
     from transformers import AutoModelForCausalLM
-    arch, overrides = CONFIGS[name]
+    arch, overrides = {**CONFIGS, **LONG_CONTEXT}[name]
     folder = root / name
     if (folder / "config.json").is_file():
         return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

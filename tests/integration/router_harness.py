@@ -26,16 +26,18 @@ NODE_ARGS = ["--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", str(
 ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks=NUM_BLOCKS)
 
 
-def tiny_model_folder(root: Path) -> Path:
-    folder, _ = make_tiny_model(MODEL, root)
+def tiny_model_folder(root: Path, name: str = MODEL) -> Path:
+    folder, _ = make_tiny_model(name, root)
     return add_tiny_tokenizer(folder)
 
 
-def start_cluster(folder: Path, run_dir: Path, prefill: int, decode: int) -> LocalCluster:
+def start_cluster(folder: Path, run_dir: Path, prefill: int, decode: int,
+                  node_args: list[str] = NODE_ARGS, **config) -> LocalCluster:
+    """config: more LocalClusterConfig fields (decode_args, router_args, ...)."""
     return LocalCluster(LocalClusterConfig(
         model=str(folder), num_prefill=prefill, num_decode=decode, http_port=0, grpc_port=0,
-        cluster="it", policy="least-load", node_args=NODE_ARGS, lease_ttl=LEASE_TTL,
-        run_dir=run_dir)).start(timeout=180)
+        cluster="it", policy="least-load", node_args=node_args, lease_ttl=LEASE_TTL,
+        run_dir=run_dir, **config)).start(timeout=180)
 
 
 @dataclass
@@ -84,7 +86,18 @@ def reference(llm, req: Req) -> tuple[list[int], str, str]:
     return out.token_ids, out.text, out.finish_reason
 
 
-async def _http(http: ClientSession, base: str, model: str, req: Req):
+class Stall:
+    """The longest wait for the next event of one request (its first token included)."""
+
+    def __init__(self):
+        self.last, self.longest = time.monotonic(), 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.longest, self.last = max(self.longest, now - self.last), now
+
+
+async def _http(http: ClientSession, base: str, model: str, req: Req, stall: Stall):
     stream = req.via == "http-stream"
     body: dict = {"model": model, "max_tokens": req.max_tokens, "temperature": 0,
                   "stream": stream, "return_token_ids": True}
@@ -99,6 +112,7 @@ async def _http(http: ClientSession, base: str, model: str, req: Req):
             raise AssertionError(f"{resp.status}: {await resp.text()}")
         if not stream:
             choice = (await resp.json())["choices"][0]
+            stall.tick()
             text = choice["message"]["content"] if req.messages is not None else choice["text"]
             return choice["token_ids"], text, choice["finish_reason"]
         tokens, text, finish = [], "", None
@@ -107,6 +121,7 @@ async def _http(http: ClientSession, base: str, model: str, req: Req):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: "):])
+            stall.tick()
             assert "error" not in event, event
             choice = event["choices"][0]
             tokens += choice.get("token_ids", [])
@@ -116,26 +131,33 @@ async def _http(http: ClientSession, base: str, model: str, req: Req):
         return tokens, text, finish
 
 
-async def _grpc(address: str, req: Req):
+async def _grpc(address: str, req: Req, stall: Stall):
     async with AsyncGenerationClient(address, timeout=120) as client:
         if req.via == "grpc":
             out = await client.generate(req.prompt, max_tokens=req.max_tokens, temperature=0.0,
                                         stop=req.stop or None)
+            stall.tick()
             return out.token_ids, out.text, out.finish_reason
         tokens, text, finish = [], "", None
         async for chunk in client.stream(req.prompt, max_tokens=req.max_tokens,
                                          temperature=0.0, stop=req.stop or None):
+            stall.tick()
             tokens += chunk.token_ids
             text += chunk.text
             finish = chunk.finish_reason or finish
         return tokens, text, finish
 
 
-async def run_batch(http_url: str, grpc_address: str, model: str, reqs: list[Req]):
+async def run_batch(http_url: str, grpc_address: str, model: str, reqs: list[Req],
+                    stalls: list[Stall] | None = None):
+    """Outputs of `reqs` sent at once; `stalls` (if given) gets each request's Stall."""
+    watch = [Stall() for _ in reqs]
+    if stalls is not None:
+        stalls.extend(watch)
     async with ClientSession() as http:
         return await asyncio.gather(*[
-            _grpc(grpc_address, r) if r.via.startswith("grpc")
-            else _http(http, http_url, model, r) for r in reqs])
+            _grpc(grpc_address, r, w) if r.via.startswith("grpc")
+            else _http(http, http_url, model, r, w) for r, w in zip(reqs, watch, strict=True)])
 
 
 # ---- /metrics ----------------------------------------------------------------------------
@@ -166,3 +188,11 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def counter_total(text: str, name: str) -> float:
+    """The sum over labels of the counter `name` (without `_total`) in Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == name
+               for s in fam.samples if s.name == f"{name}_total")
