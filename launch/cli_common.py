@@ -94,10 +94,30 @@ def tls_from_args(args: argparse.Namespace):
         raise CliError(str(exc)) from None
 
 
-def add_etcd_auth_arguments(parser: argparse.ArgumentParser | Any) -> None:
-    """etcd's own user/password authentication (the password better from the env)."""
-    env_argument(parser, "--etcd-user", "PDSERVE_ETCD_USER", default=None,
-                 help="etcd user (with --etcd-password)")
-    env_argument(parser, "--etcd-password", "PDSERVE_ETCD_PASSWORD", default=None,
-                 help="etcd password; prefer the env variable (flags show in the process "
-                      "list)")
+def add_etcd_access_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """TLS to etcd and etcd's own user/password (cluster/discovery/etcd_access.py), the
+    same on every process that talks to etcd."""
+    g = parser.add_argument_group("etcd TLS and authentication")
+    env_argument(g, "--etcd-ca", "PDSERVE_ETCD_CA", default=None, metavar="PEM",
+                 help="dial etcd with TLS; its certificate must chain to this CA bundle "
+                      "(an https:// endpoint turns TLS on too, with the system's CAs)")
+    env_argument(g, "--etcd-cert", "PDSERVE_ETCD_CERT", default=None, metavar="PEM",
+                 help="client certificate for etcd's --client-cert-auth (with --etcd-key)")
+    env_argument(g, "--etcd-key", "PDSERVE_ETCD_KEY", default=None, metavar="PEM",
+                 help="the private key of --etcd-cert")
+    env_argument(g, "--etcd-user", "PDSERVE_ETCD_USER", default=None,
+                 help="etcd user (with the password)")
+    env_argument(g, "--etcd-password", "PDSERVE_ETCD_PASSWORD", default=None,
+                 help="etcd password; give it in the env variable, from a Secret: flags "
+                      "show in the process list")
+
+
+def etcd_access_from_args(args: argparse.Namespace):
+    """EtcdAccess from the --etcd-* flags; CliError names what is wrong."""
+    from cluster.discovery.etcd_access import EtcdAccess
+
+    try:
+        return EtcdAccess(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key,
+                          user=args.etcd_user, password=args.etcd_password)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None

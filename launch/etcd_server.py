@@ -8,6 +8,12 @@ etcd keeps every revision of every key until it is compacted, and refuses all wr
 beyond what a watcher that fell behind resumes from (it re-snapshots when that is gone), so
 the launcher compacts automatically and sets a quota: without compaction an idle cluster
 grew the database by ~0.5 MB/s (before node load records became change-only).
+
+With `tls` (a TlsConfig: etcd's own certificate and the CA it trusts) etcd serves clients
+over https only and requires a client certificate signed by that CA (`--client-cert-auth`):
+`pdserve up` gives it a leaf of its throw-away cluster CA, and every process dials it with
+its own leaf (--etcd-ca/--etcd-cert/--etcd-key). The peer URL stays plaintext on loopback
+(a single member has no peers).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -49,9 +56,10 @@ QUOTA_BACKEND_BYTES = 256 * 1024 * 1024
 
 class EtcdServer:
     def __init__(self, data_dir: str | Path, client_port: int | None = None,
-                 peer_port: int | None = None, host: str = "127.0.0.1"):
+                 peer_port: int | None = None, host: str = "127.0.0.1", tls=None):
         self.data_dir = Path(data_dir)
         self.host = host
+        self.tls = tls                  # cluster.tls.TlsConfig, or None: plaintext
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.proc: subprocess.Popen | None = None
@@ -61,15 +69,26 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
+    @property
+    def client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
+    def tls_flags(self) -> list[str]:
+        if self.tls is None:
+            return []
+        return ["--cert-file", self.tls.cert, "--key-file", self.tls.key,
+                "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
+
     def start(self, timeout: float = 20.0) -> EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        client = f"http://{self.host}:{self.client_port}"
+        client = self.client_url
         peer = f"http://{self.host}:{self.peer_port}"
         cmd = [find_etcd_binary(), "--name", "pdserve", "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"pdserve={peer}", "--log-level", "warn",
-               *COMPACTION_FLAGS, "--quota-backend-bytes", str(QUOTA_BACKEND_BYTES)]
+               *COMPACTION_FLAGS, "--quota-backend-bytes", str(QUOTA_BACKEND_BYTES),
+               *self.tls_flags()]
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its life
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -86,9 +105,14 @@ class EtcdServer:
         raise TimeoutError(f"etcd not healthy within {timeout}s; see {self.log_path}")
 
     def healthy(self) -> bool:
+        # with client-cert-auth, /health wants a client certificate too: etcd's own serves
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=self.tls.ca)
+            context.load_cert_chain(self.tls.cert, self.tls.key)
         try:
-            url = f"http://{self.host}:{self.client_port}/health"
-            with urllib.request.urlopen(url, timeout=1) as resp:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1,
+                                        context=context) as resp:
                 return json.loads(resp.read()).get("health") == "true"
         except (OSError, ValueError):
             return False

@@ -108,12 +108,15 @@ class LocalCluster:
         self.config = config
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer(self.run_dir / "etcd")
         self._ca = None
+        etcd_tls = None
         if config.tls:
             from cluster.tls import make_ca, write_cluster_certs
             self._ca = make_ca("pdserve up CA (throw-away)")
-            write_cluster_certs(self.tls_dir, [], ca=self._ca)      # ca.crt for clients
+            # ca.crt for clients, and etcd's own leaf: etcd serves https and requires a
+            # client certificate of this CA, so only the cluster's processes reach it
+            etcd_tls = write_cluster_certs(self.tls_dir, ["etcd"], ca=self._ca)["etcd"]
+        self.etcd = EtcdServer(self.run_dir / "etcd", tls=etcd_tls)
         self.nodes: list[Child] = []
         self.router: Child | None = None
         self.supervisor = None          # a Supervisor once start() succeeded
@@ -128,7 +131,8 @@ class LocalCluster:
         return self.run_dir / "tls"
 
     def tls_flags(self, name: str) -> list[str]:
-        """--tls-* for the process `name`: its own leaf (made once, kept across restarts)."""
+        """--tls-* and --etcd-ca/cert/key for the process `name`: its own leaf (made once,
+        kept across restarts) for the node links and for etcd alike."""
         if self._ca is None:
             return []
         from cluster.tls import TlsConfig, write_cluster_certs
@@ -138,7 +142,8 @@ class LocalCluster:
                             str(self.tls_dir / f"{name}.key"))
         else:
             tls = write_cluster_certs(self.tls_dir, [name], ca=self._ca)[name]
-        return ["--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key]
+        return ["--tls-ca", tls.ca, "--tls-cert", tls.cert, "--tls-key", tls.key,
+                "--etcd-ca", tls.ca, "--etcd-cert", tls.cert, "--etcd-key", tls.key]
 
     # ---- children ------------------------------------------------------------------------
     def _cli(self, *args: str) -> list[str]:

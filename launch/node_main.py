@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from launch.cli_common import CliError, tls_from_args
+from launch.cli_common import CliError, etcd_access_from_args, tls_from_args
 
 # A draining node keeps its listener this long after leaving discovery (refusing new work
 # with the replay hint): a router whose watch has not yet delivered the deregistration may
@@ -92,7 +92,7 @@ def make_registry(args: argparse.Namespace):
     from cluster.discovery import EtcdRegistry
     try:
         return EtcdRegistry(args.etcd, args.cluster, ttl=args.lease_ttl,
-                            username=args.etcd_user, password=args.etcd_password)
+                            access=etcd_access_from_args(args))
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

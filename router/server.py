@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.discovery.etcd_access import EtcdAccess
 from cluster.tls import TlsConfig
 from router.public_tls import PublicTls
 
@@ -40,10 +41,10 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     metrics: bool = True
     grpc_reflection: bool = False
-    # Mutual TLS to the nodes (cluster/tls.py; None: plaintext) and etcd credentials.
+    # Mutual TLS to the nodes (cluster/tls.py; None: plaintext); TLS and credentials for
+    # etcd (cluster/discovery/etcd_access.py; None: plaintext, no auth).
     tls: TlsConfig | None = None
-    etcd_user: str | None = None
-    etcd_password: str | None = field(default=None, repr=False)
+    etcd_access: EtcdAccess | None = None
     # TLS on the public HTTP and gRPC listeners (router/public_tls.py; None: plaintext)
     public_tls: PublicTls | None = None
 
@@ -101,7 +102,7 @@ class Router:
         if registry is None:
             from cluster.discovery import EtcdRegistry
             registry = EtcdRegistry(config.etcd, cluster=config.cluster,
-                                    username=config.etcd_user, password=config.etcd_password)
+                                    access=config.etcd_access)
         self.registry = registry
         self.api_keys = ApiKeys(config.api_keys)
         self.app = make_app(self.service, api_keys=self.api_keys, metrics_on=config.metrics)

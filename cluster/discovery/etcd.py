@@ -4,6 +4,8 @@ Registration never blocks serving: `register` stores the record and a background
 keeps it in etcd, granting a lease of `ttl` seconds, refreshing it every ttl/3 and, when
 etcd is away or the lease was lost, retrying with a fresh lease (and logging once per
 outage). `watch` yields a snapshot, then events; when the watch breaks it re-snapshots.
+TLS and credentials (`EtcdAccess`, cluster/discovery/etcd_access.py) go to the client
+(cluster/discovery/etcd_client.py); failures are logged with the flag that would fix them.
 
 Load records are written only when they changed (NodeLoad.same_as ignores the time of
 measurement) and at most once per `min_load_interval`; a change inside the interval goes
@@ -19,7 +21,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
+from cluster.discovery.etcd_access import EtcdAccess, describe_etcd_error
 from cluster.discovery.records import (
     NodeLoad,
     NodeRecord,
@@ -36,12 +40,16 @@ RETRY_S = 1.0
 MIN_LOAD_INTERVAL_S = 1.0
 
 
+def _items(spec: str | list[str]) -> list[str]:
+    return [i.strip() for i in (spec.split(",") if isinstance(spec, str) else list(spec))]
+
+
 def parse_endpoints(spec: str | list[str]) -> list[tuple[str, int]]:
-    """'h1:2379,h2:2379' -> [('h1', 2379), ('h2', 2379)] (ValueError names a bad one)."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    """'h1:2379,https://h2:2379' -> [('h1', 2379), ('h2', 2379)] (ValueError names a bad
+    one). The scheme, if any, only says whether TLS is expected: `endpoint_schemes`."""
     out = []
-    for item in (i.strip() for i in items):
-        item = item.removeprefix("http://")
+    for item in _items(spec):
+        item = item.removeprefix("http://").removeprefix("https://")
         host, sep, port = item.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"etcd endpoint must be HOST:PORT, got {item!r}")
@@ -51,20 +59,34 @@ def parse_endpoints(spec: str | list[str]) -> list[tuple[str, int]]:
     return out
 
 
+def endpoint_schemes(spec: str | list[str]) -> set[str]:
+    """The schemes written in `spec` ('http', 'https'; none for bare HOST:PORT)."""
+    return {i.split("://", 1)[0] for i in _items(spec) if "://" in i}
+
+
+def resolve_access(endpoints: str | list[str], access: EtcdAccess | None) -> EtcdAccess:
+    """`access`, with TLS turned on by https:// endpoints; a ValueError when the endpoints
+    and the TLS options disagree (one client dials every endpoint the same way)."""
+    access = access or EtcdAccess()
+    schemes = endpoint_schemes(endpoints)
+    if schemes == {"http", "https"}:
+        raise ValueError(f"etcd endpoints {endpoints!r} mix http:// and https://")
+    if "http" in schemes and access.tls:
+        raise ValueError(f"etcd endpoints {endpoints!r} say http:// but --etcd-ca/--etcd-cert "
+                         f"ask for TLS; write https:// or HOST:PORT")
+    return replace(access, tls=True) if "https" in schemes else access
+
+
 class EtcdRegistry(Registry):
     def __init__(self, endpoints: str | list[str], cluster: str = "default", ttl: int = 5,
                  timeout: float = 3.0, min_load_interval: float = MIN_LOAD_INTERVAL_S,
-                 username: str | None = None, password: str | None = None):
-        """username/password: etcd's own authentication (both or neither). aetcd dials
-        plaintext only (its Client has no TLS options), so etcd TLS needs a TLS-terminating
-        proxy next to each process, or a private network."""
+                 access: EtcdAccess | None = None):
+        """access: TLS files and user/password for etcd (None: plaintext, no auth)."""
         super().__init__(cluster)
-        if bool(username) != bool(password):
-            raise ValueError("etcd authentication needs both a user and a password")
-        self.username, self.password = username or None, password or None
         if ttl < 1:
             raise ValueError(f"lease ttl must be >= 1 s, got {ttl}")
         self.endpoints = parse_endpoints(endpoints)
+        self.access = resolve_access(endpoints, access)
         self.ttl = ttl
         self.timeout = timeout
         self.min_load_interval = min_load_interval
@@ -86,13 +108,15 @@ class EtcdRegistry(Registry):
 
     # ---- connection ----------------------------------------------------------------
     async def _connect(self):
-        import aetcd
+        from cluster.discovery.etcd_client import make_client  # imports aetcd, grpc
 
         if self._client is None:
             host, port = self.endpoints[self._endpoint_idx % len(self.endpoints)]
-            self._client = aetcd.Client(host=host, port=port, timeout=self.timeout,
-                                        username=self.username, password=self.password)
+            self._client = make_client(host, port, self.access, timeout=self.timeout)
         return self._client
+
+    def _why(self, exc: BaseException) -> str:
+        return describe_etcd_error(exc, self._where(), self.access)
 
     async def _drop_client(self) -> None:
         """Forget a broken connection and move on to the next endpoint."""
@@ -160,9 +184,8 @@ class EtcdRegistry(Registry):
                 self._registered.clear()
                 self._lease = None
                 if not outage:
-                    log.warning("etcd %s unreachable (%s: %s); node keeps serving, retrying "
-                                "registration every %.0fs", self._where(),
-                                type(exc).__name__, exc, RETRY_S)
+                    log.warning("%s; node keeps serving, retrying registration every "
+                                "%.0fs", self._why(exc), RETRY_S)
                     outage = True
                 await self._drop_client()
                 await asyncio.sleep(RETRY_S)
@@ -281,8 +304,8 @@ class EtcdRegistry(Registry):
                 raise
             except Exception as exc:  # noqa: BLE001 - etcd away: retry, then re-snapshot
                 if not outage:
-                    log.warning("etcd watch on %s broke (%s: %s); retrying every %.0fs",
-                                self._where(), type(exc).__name__, exc, RETRY_S)
+                    log.warning("etcd watch broke: %s; retrying every %.0fs",
+                                self._why(exc), RETRY_S)
                     outage = True
                 await self._drop_client()
                 await asyncio.sleep(RETRY_S)

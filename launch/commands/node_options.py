@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from launch.cli_common import (
-    add_etcd_auth_arguments,
+    add_etcd_access_arguments,
     add_tls_arguments,
     env_argument,
     env_flag,
@@ -35,7 +35,7 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
                  metavar="S", help="on SIGTERM, how long in-flight requests may take")
     env_argument(net, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write the advertised address here once serving (for launchers)")
-    add_etcd_auth_arguments(net)
+    add_etcd_access_arguments(p)
     add_tls_arguments(p)
 
     eng = p.add_argument_group("engine")

@@ -9,7 +9,7 @@ import argparse
 
 from launch.cli_common import (
     CliError,
-    add_etcd_auth_arguments,
+    add_etcd_access_arguments,
     add_tls_arguments,
     env_argument,
     env_bool_argument,
@@ -71,14 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "clients (default: plaintext, e.g. behind a TLS-terminating ingress)")
     env_argument(p, "--public-tls-key", "PDSERVE_PUBLIC_TLS_KEY", default=None, metavar="PEM",
                  help="the private key of --public-tls-cert")
-    add_etcd_auth_arguments(p)
+    add_etcd_access_arguments(p)
     add_tls_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from launch.cli_common import tls_from_args
+    from launch.cli_common import etcd_access_from_args, tls_from_args
     from router.public_tls import PublicTls
     from router.server import RouterConfig, serve
 
@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
                               queue_depth=args.queue_depth, ready_file=args.ready_file,
                               api_keys=tuple(args.api_key), metrics=args.metrics,
                               grpc_reflection=args.grpc_reflection,
-                              tls=tls_from_args(args), etcd_user=args.etcd_user,
-                              etcd_password=args.etcd_password,
+                              tls=tls_from_args(args),
+                              etcd_access=etcd_access_from_args(args),
                               public_tls=PublicTls.from_args(args.public_tls_cert,
                                                              args.public_tls_key))
         asyncio.run(serve(config))

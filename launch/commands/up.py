@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for everything to be ready")
     p.add_argument("--insecure", action="store_true",
-                   help="plaintext between router and nodes (default: mutual TLS from a "
-                        "throw-away CA made in the run folder)")
+                   help="plaintext between router, nodes and etcd (default: mutual TLS "
+                        "from a throw-away CA made in the run folder)")
 
 
 def speculative_args(args: argparse.Namespace) -> list[str]:
@@ -74,7 +74,7 @@ def _banner(cluster, model_name: str) -> str:
         f"  OpenAI HTTP API: {http}/v1   (metrics: {http}/metrics)",
         f"  gRPC API:        {grpc}",
         f"  logs:            {cluster.run_dir}",
-        "  node links:      " + (f"mutual TLS (certificates in {cluster.tls_dir})"
+        "  node links:      " + (f"mutual TLS, etcd too (certificates in {cluster.tls_dir})"
                                   if cluster.config.tls else "plaintext (--insecure)"),
         "  API key:         " + ("required (clients send PDSERVE_API_KEY)" if keyed
                                  else "none (set PDSERVE_API_KEY to require one)"),

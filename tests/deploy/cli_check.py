@@ -273,6 +273,24 @@ def check_etcd(c: ContainerView, args: argparse.Namespace, objects: list[dict]) 
     return problems
 
 
+# Secrets a flag could carry: never on the command line (it shows in the process list and in
+# the manifest) nor in a ConfigMap; only from a Secret (valueFrom.secretKeyRef).
+SECRET_ENV = {"--etcd-password": "PDSERVE_ETCD_PASSWORD", "--api-key": "PDSERVE_API_KEY"}
+
+
+def check_secrets(c: ContainerView) -> list[str]:
+    problems = []
+    for flag, env in SECRET_ENV.items():
+        if any(a == flag or a.startswith(f"{flag}=") for a in c.argv):
+            problems.append(f"{c.where}: {flag} on the command line; give {env} from a "
+                            f"Secret (secretKeyRef)")
+        items = [e for e in c.container.get("env", []) if e["name"] == env]
+        from_secret = bool(items) and "secretKeyRef" in items[-1].get("valueFrom", {})
+        if env in c.env and not from_secret:
+            problems.append(f"{c.where}: {env} is not from a Secret (secretKeyRef)")
+    return problems
+
+
 def runtime_config_problems(c: ContainerView, args: argparse.Namespace) -> list[str]:
     """What the command builds from its flags before serving (the same validation a pod
     would hit at start): EngineConfig for nodes, RouterConfig for the router."""
@@ -304,7 +322,7 @@ def check_container(c: ContainerView, objects: list[dict]) -> tuple[argparse.Nam
     elif args.command in ("prefill", "decode"):
         problems += check_node(c, args)
     if args.command in ("router", "prefill", "decode"):
-        problems += check_etcd(c, args, objects)
+        problems += check_etcd(c, args, objects) + check_secrets(c)
         if args.model is None:
             problems.append(f"{c.where}: no --model/PDSERVE_MODEL (it would try to convert "
                             f"the default model into a read-only cache)")

@@ -213,6 +213,23 @@ def test_a_node_mismatch_is_reported(rendered, mutate, match):
     assert any(re.search(match, p) for p in problems), problems
 
 
+@pytest.mark.parametrize("mutate,match", [
+    (lambda c, s: c["args"].extend(["--etcd-password", "hunter2"]),
+     "--etcd-password on the command line"),
+    (lambda c, s: c.setdefault("env", []).append({"name": "PDSERVE_ETCD_PASSWORD",
+                                                  "value": "hunter2"}),
+     "PDSERVE_ETCD_PASSWORD is not from a Secret"),
+])
+def test_a_password_outside_a_secret_is_reported(rendered, mutate, match):
+    objects = _with(rendered["cluster-tls"], "pdserve-decode", mutate)
+    _, problems = check_container(_decode(objects), objects)
+    assert any(match in p for p in problems), problems
+    ok = _with(rendered["cluster-tls"], "pdserve-decode", lambda c, s: c.setdefault(
+        "env", []).append({"name": "PDSERVE_ETCD_PASSWORD", "valueFrom": {
+            "secretKeyRef": {"name": "pdserve-etcd-auth", "key": "password"}}}))
+    assert check_container(_decode(ok), ok)[1] == []
+
+
 def test_router_probe_on_a_path_it_does_not_serve_is_reported(rendered):
     objects = _with(rendered["cpu-dev"], "pdserve-router",
                     lambda c, _: c["livenessProbe"]["httpGet"].__setitem__("path", "/healthz"))

@@ -5,6 +5,7 @@ locked down, and the etcd member list agrees with the StatefulSet."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -140,3 +141,40 @@ def test_etcd_check_catches_a_replica_count_change(rendered):
     objects = copy.deepcopy(rendered["base"])
     one(objects, "StatefulSet", "pdserve-etcd")["spec"]["replicas"] = 5
     assert any("!= the 5 pods" in p for p in etcd_problems(objects))
+
+
+def undefined_references(objects) -> list[str]:
+    """$(VAR) in an env value must name a variable defined EARLIER in the container's env
+    (or its envFrom), in command/args one defined anywhere in it: Kubernetes leaves any
+    other reference as literal text. (A patch's env list goes first in the rendered list,
+    which once left cpu-dev's ETCD_INITIAL_CLUSTER before the POD_NAMESPACE it uses.)"""
+    problems = []
+    for c in containers(objects):
+        defined = {k for k in c.env} - {e["name"] for e in c.container.get("env", [])}
+        for item in c.container.get("env", []):
+            for var in _REF.findall(item.get("value", "")):
+                if var not in defined:
+                    problems.append(f"{c.where}: env {item['name']} uses $({var}) before it "
+                                    f"is defined")
+            defined.add(item["name"])
+        for arg in c.container.get("command", []) + c.container.get("args", []):
+            problems += [f"{c.where}: {arg!r} uses undefined $({var})"
+                         for var in _REF.findall(arg) if var not in defined]
+    return problems
+
+
+_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+@pytest.mark.parametrize("name", RENDERED_NAMES)
+def test_env_references_are_defined_before_use(rendered, name):
+    assert undefined_references(rendered[name]) == []
+
+
+def test_reference_check_catches_a_variable_used_before_it_is_defined(rendered):
+    objects = copy.deepcopy(rendered["base"])
+    env = one(objects, "StatefulSet", "pdserve-etcd")["spec"]["template"]["spec"][
+        "containers"][0]["env"]
+    env.append(env.pop(0))                              # POD_NAME to the end
+    assert any("uses $(POD_NAME) before it is defined" in p
+               for p in undefined_references(objects))

@@ -131,7 +131,29 @@ def test_cluster_tls_mounts_the_secret_and_probes_with_the_node_certificate(rend
         assert env["PDSERVE_TLS_CA"] == "/etc/pdserve/tls/ca.crt"
         assert env["PDSERVE_TLS_CERT"] == f"/etc/pdserve/tls/{role}.crt"
         assert env["PDSERVE_TLS_KEY"] == f"/etc/pdserve/tls/{role}.key"
+        # the same leaf dials etcd, which requires a client certificate of the CA
+        assert (env["PDSERVE_ETCD_CA"], env["PDSERVE_ETCD_CERT"], env["PDSERVE_ETCD_KEY"]) == (
+            env["PDSERVE_TLS_CA"], env["PDSERVE_TLS_CERT"], env["PDSERVE_TLS_KEY"])
         if role != "router":        # a kubelet grpc probe cannot show a client certificate
             for probe in ("startupProbe", "readinessProbe"):
                 assert "grpc" not in c[probe], (role, probe)
                 assert c[probe]["exec"]["command"] == ["python", "-m", "launch.healthcheck"]
+
+
+def test_cluster_tls_serves_etcd_over_https_with_client_certificates(rendered):
+    objects = rendered["cluster-tls"]
+    pod = one(objects, "StatefulSet", "pdserve-etcd")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["ETCD_LISTEN_CLIENT_URLS"] == "https://0.0.0.0:2379"
+    assert env["ETCD_ADVERTISE_CLIENT_URLS"].startswith("https://")
+    assert env["ETCD_CLIENT_CERT_AUTH"] == "true"
+    assert (env["ETCD_CERT_FILE"], env["ETCD_KEY_FILE"], env["ETCD_TRUSTED_CA_FILE"]) == (
+        "/etc/pdserve/tls/etcd.crt", "/etc/pdserve/tls/etcd.key", "/etc/pdserve/tls/ca.crt")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert volume["secret"] == {"secretName": "pdserve-tls", "defaultMode": 0o440}
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    # the kubelet's probe shows no certificate: /health on the plaintext metrics listener
+    metrics = env["ETCD_LISTEN_METRICS_URLS"].rpartition(":")[2]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert {"name": "metrics", "containerPort": int(metrics)} in c["ports"]
