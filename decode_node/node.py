@@ -8,7 +8,7 @@ from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.limits import TcpLimits
 from cluster.tls import TlsConfig
-from decode_node.service import DecodeService
+from decode_node.service import DecodeService, default_max_grpc_pushes
 from decode_node.streams import StreamTable
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
@@ -23,18 +23,23 @@ class DecodeNode:
 
     def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0,
                  kv_tcp_listen: str | None = None, max_lease_s: float | None = None,
-                 kv_tcp_limits: TcpLimits | None = None, tls: TlsConfig | None = None):
+                 kv_tcp_limits: TcpLimits | None = None, tls: TlsConfig | None = None,
+                 max_grpc_pushes: int | None = None):
         """lease_s: the default reservation lease; max_lease_s: the longest a caller may
         ask for (default lease_s: `--lease-s` is the ceiling too). kv_tcp_limits: the raw-TCP
         data plane's connection cap and timeouts. tls: the data plane speaks mutual TLS
-        (the gRPC server's TLS is GrpcNodeServer's)."""
+        (the gRPC server's TLS is GrpcNodeServer's). max_grpc_pushes: PushKv streams served
+        at once (None: default_max_grpc_pushes of the engine's max_num_seqs)."""
         self.engine = LLMEngine(config)
         self.fingerprint = engine_fingerprint(self.engine)
         self.receiver = KvReceiver(self.engine, lease_s, max_lease_s=max_lease_s)
         self.streams = StreamTable()
         self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode")
+        if max_grpc_pushes is None:
+            max_grpc_pushes = default_max_grpc_pushes(config.max_num_seqs)
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
-                                     node_id=node_id, model_id=Path(config.model).name)
+                                     node_id=node_id, model_id=Path(config.model).name,
+                                     max_grpc_pushes=max_grpc_pushes)
         self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
         self.kv_tcp_limits = kv_tcp_limits or TcpLimits()
         self.tls = tls

@@ -8,7 +8,10 @@ ends the request's stream, with the failing side and a replay hint in the traile
 
 Only the Decode caller learns a reservation's push token (in the Reservation event); a
 push or an AbortReservation without it is refused with PERMISSION_DENIED and changes
-nothing. The lease a caller asks for is clamped to the node's maximum.
+nothing. The lease a caller asks for is clamped to the node's maximum. At most
+`max_grpc_pushes` PushKv streams run at once: a stream costs a handler task and buffers
+before its header proves anything, so one more is answered RESOURCE_EXHAUSTED before a
+byte of it is read (the raw-TCP data plane has its own cap, cluster/kv_transfer/limits.py).
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ log = logging.getLogger("decode_node")
 
 LEASE_CHECK_S = 0.2
 DRAINING = "decode node is draining"
+# Pushes of one node are at most its reservations, at most max_num_seqs: the default cap
+# leaves room for as many again (a push whose stream is still closing, a fallback from the
+# data plane) and never goes below MIN_GRPC_PUSHES for small test engines.
+MIN_GRPC_PUSHES = 64
+
+
+def default_max_grpc_pushes(max_num_seqs: int) -> int:
+    return max(MIN_GRPC_PUSHES, 2 * max_num_seqs)
 
 # How a released reservation ends its stream (None: the caller is gone, nobody to tell).
 _RELEASE_STATUS = {
@@ -55,7 +66,10 @@ _RELEASE_STATUS = {
 
 class DecodeService(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, engine, receiver: KvReceiver, streams: StreamTable,
-                 fingerprint: Fingerprint, node_id: str = "decode", model_id: str = ""):
+                 fingerprint: Fingerprint, node_id: str = "decode", model_id: str = "",
+                 max_grpc_pushes: int = MIN_GRPC_PUSHES):
+        if max_grpc_pushes < 1:
+            raise ValueError(f"max_grpc_pushes must be >= 1, got {max_grpc_pushes}")
         self.engine = engine
         self.receiver = receiver
         self.streams = streams
@@ -65,6 +79,9 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         self.kv_tcp_address = ""          # the raw-TCP KV data plane, when it runs
         self.push_handler = PushHandler(receiver, fingerprint)
         receiver.on_release = self._on_release
+        self.max_grpc_pushes = max_grpc_pushes
+        self.grpc_pushes = 0                # PushKv streams being handled now
+        self.grpc_pushes_refused = 0        # answered RESOURCE_EXHAUSTED for the cap
         self._reaper: asyncio.Task | None = None
 
     @property
@@ -169,10 +186,20 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
 
     # ---- PushKv --------------------------------------------------------------------
     async def PushKv(self, request_iterator, context):
+        # counted on the event loop (every handler runs on it): no lock needed
+        if self.grpc_pushes >= self.max_grpc_pushes:
+            self.grpc_pushes_refused += 1
+            await RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"too many KV pushes in progress on this decode node "
+                             f"({self.max_grpc_pushes}, --max-grpc-pushes)", DECODE
+                             ).abort(context)
+        self.grpc_pushes += 1
         try:
             return await self.push_handler.handle(request_iterator.__aiter__())
         except PushFailed as exc:
             await RpcFailure(exc.code, exc.message, exc.side).abort(context)
+        finally:
+            self.grpc_pushes -= 1
 
     # ---- failure notices and leases ------------------------------------------------
     def _on_release(self, res: Reservation) -> None:

@@ -36,8 +36,12 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
             limits = TcpLimits(max_connections=args.kv_tcp_max_connections,
                                header_timeout_s=args.kv_tcp_header_timeout,
                                idle_timeout_s=args.kv_tcp_idle_timeout)
+            if args.max_grpc_pushes < 0:
+                raise CliError(f"--max-grpc-pushes must be >= 0 (0: automatic), got "
+                               f"{args.max_grpc_pushes}")
             return DecodeNode(config, node_id=node_id, lease_s=args.lease_s, kv_tcp_listen=tcp,
-                              max_lease_s=args.max_lease_s, kv_tcp_limits=limits, tls=tls)
+                              max_lease_s=args.max_lease_s, kv_tcp_limits=limits, tls=tls,
+                              max_grpc_pushes=args.max_grpc_pushes or None)
         from cluster.kv_transfer.grpc_transport import GrpcTransport
         from prefill_node.node import PrefillNode
         transport = GrpcTransport(tls=tls)

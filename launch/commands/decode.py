@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_argument(parser, "--kv-tcp-idle-timeout", "PDSERVE_KV_TCP_IDLE_TIMEOUT",
                  default=limits.idle_timeout_s, type=float, metavar="S",
                  help="each later data-plane frame must arrive within this")
+    env_argument(parser, "--max-grpc-pushes", "PDSERVE_MAX_GRPC_PUSHES", default=0, type=int,
+                 metavar="N",
+                 help="gRPC PushKv streams served at once; more are answered "
+                      "RESOURCE_EXHAUSTED (0: twice --max-num-seqs, at least 64)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,12 +43,13 @@ def test_decode_flags_reach_the_node(tmp_path):
                  "--num-gpu-blocks", "16", "--lease-s", "10", "--max-lease-s", "60",
                  "--kv-tcp-max-connections", "3", "--kv-tcp-header-timeout", "2",
                  "--kv-tcp-idle-timeout", "7", "--tls-ca", tls.ca, "--tls-cert", tls.cert,
-                 "--tls-key", tls.key)
+                 "--tls-key", tls.key, "--max-grpc-pushes", "5")
     node = build_node("decode", args, "d0")
     assert node.receiver.max_lease_s == 60.0
     assert node.kv_tcp_limits == TcpLimits(max_connections=3, header_timeout_s=2.0,
                                            idle_timeout_s=7.0)
     assert node.tls == TlsConfig(ca=tls.ca, cert=tls.cert, key=tls.key)
+    assert node.service.max_grpc_pushes == 5
 
 
 def test_tls_flags_must_come_together(tmp_path):
