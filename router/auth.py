@@ -43,17 +43,20 @@ class ApiKeys:
     def allows(self, authorization: str | None) -> bool:
         """Whether an `Authorization` value carries one of the keys (always, when none are
         configured)."""
-        if not self._keys:
-            return True
-        if not authorization:
-            return False
+        return not self._keys or self.match(authorization) is not None
+
+    def match(self, authorization: str | None) -> int | None:
+        """The index of the key an `Authorization` value carries (which rate-limit bucket
+        it draws from), None for none or no keys configured."""
+        if not self._keys or not authorization:
+            return None
         scheme, _, token = authorization.strip().partition(" ")
         given = token.strip().encode("utf-8", "replace")
-        ok = scheme.lower() == "bearer"
-        match = False
-        for key in self._keys:                   # all of them, whatever matched first
-            match |= hmac.compare_digest(given, key)
-        return ok and match
+        found = None
+        for index, key in enumerate(self._keys):     # all of them, whatever matched first
+            if hmac.compare_digest(given, key):
+                found = index
+        return found if scheme.lower() == "bearer" else None
 
 
 UNAUTHENTICATED_MESSAGE = ("a valid API key is required: send it as `Authorization: Bearer "

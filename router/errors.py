@@ -3,7 +3,8 @@
 One exception type carries both mappings, so the HTTP and gRPC fronts cannot disagree on
 what a failure means: 400 / INVALID_ARGUMENT for bad input, 401 / UNAUTHENTICATED without a
 valid API key, 413 / RESOURCE_EXHAUSTED for a body over the size limit, 429 /
-RESOURCE_EXHAUSTED when every node is full, 503 / UNAVAILABLE when no node can serve.
+RESOURCE_EXHAUSTED when every node is full or an API key is over its rate limit, 503 /
+UNAVAILABLE when no node can serve.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Overloaded(RouterError):
     def __init__(self, message: str, param: str | None = None, retry_after_s: int = 1):
         super().__init__(message, param)
         self.retry_after_s = retry_after_s      # the HTTP Retry-After header
+
+
+class RateLimited(Overloaded):
+    """An API key over its --rate-limit (router/rate_limit.py)."""
 
 
 class NoNodeAvailable(RouterError):

@@ -1,5 +1,5 @@
-"""The gRPC front's edge, as one server interceptor: the API key, and requests whose bytes do
-not decode.
+"""The gRPC front's edge, as one server interceptor: the API key, its rate limit
+(router/rate_limit.py), and requests whose bytes do not decode.
 
 grpc.aio deserializes a request before any servicer code runs, and a deserializer that
 raises ends the call with a status the client cannot act on (not INVALID_ARGUMENT). So for
@@ -14,6 +14,7 @@ from __future__ import annotations
 import grpc
 
 from router.auth import OPEN_GRPC_SERVICES, UNAUTHENTICATED_MESSAGE, ApiKeys
+from router.rate_limit import RateLimiter, retry_after_s
 
 # The gRPC default, stated: a larger message is refused by gRPC core with RESOURCE_EXHAUSTED
 # before any of our code (or the protobuf parser) sees it.
@@ -42,14 +43,14 @@ def _with_behavior(handler, behavior, deserializer):
     return handler._replace(request_deserializer=deserializer, **{kind: behavior})
 
 
-def _deny(handler, code: grpc.StatusCode, message: str):
+def _deny(handler, code: grpc.StatusCode, message: str, trailers: tuple = ()):
     if handler.response_streaming:
         async def behavior(request, context):
-            await context.abort(code, message)
+            await context.abort(code, message, trailing_metadata=trailers)
             yield  # pragma: no cover - abort raises; this only makes it a generator
     else:
         async def behavior(request, context):
-            await context.abort(code, message)
+            await context.abort(code, message, trailing_metadata=trailers)
     # No deserializer: the unauthenticated request's bytes are never parsed.
     return _with_behavior(handler, behavior, None)
 
@@ -85,8 +86,11 @@ def _guard_decode(handler, method: str):
 
 
 class EdgeInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, keys: ApiKeys):
+    def __init__(self, keys: ApiKeys, limiter: RateLimiter | None = None):
+        if limiter is not None and not keys:
+            raise ValueError("a rate limit needs API keys: it is counted per key")
         self.keys = keys
+        self.limiter = limiter
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -95,7 +99,15 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         service = details.method.strip("/").split("/", 1)[0]
         if service in OPEN_GRPC_SERVICES:
             return handler
-        if not self.keys.allows(_metadata(details, "authorization")):
+        if not self.keys:
+            return _guard_decode(handler, details.method)
+        key = self.keys.match(_metadata(details, "authorization"))
+        if key is None:
             return _deny(handler, grpc.StatusCode.UNAUTHENTICATED,
                          UNAUTHENTICATED_MESSAGE.replace("Authorization", "authorization"))
+        wait = self.limiter.take(key) if self.limiter is not None else 0.0
+        if wait > 0:            # as HTTP's Retry-After, in a trailer clients can read
+            return _deny(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         self.limiter.message(wait),
+                         (("retry-after", str(retry_after_s(wait))),))
         return _guard_decode(handler, details.method)

@@ -20,6 +20,7 @@ from router.auth import ApiKeys
 from router.errors import InvalidRequest, RouterError
 from router.grpc_edge import MAX_GRPC_MESSAGE_BYTES, EdgeInterceptor
 from router.public_tls import PublicTls
+from router.rate_limit import RateLimiter
 from router.requests import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ParsedRequest,
@@ -117,10 +118,11 @@ class GrpcFront:
     """The gRPC server plus a task that keeps the health status in step with the nodes."""
 
     def __init__(self, service: RouterService, address: str, api_keys: ApiKeys | None = None,
-                 reflection_on: bool = False, public_tls: PublicTls | None = None):
+                 reflection_on: bool = False, public_tls: PublicTls | None = None,
+                 limiter: RateLimiter | None = None):
         self.service = service
         self.server = grpc.aio.server(
-            interceptors=[EdgeInterceptor(api_keys or ApiKeys())],
+            interceptors=[EdgeInterceptor(api_keys or ApiKeys(), limiter)],
             options=[("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)])
         api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), self.server)
         self.health = health.aio.HealthServicer()

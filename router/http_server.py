@@ -24,12 +24,14 @@ from router.errors import (
     InvalidRequest,
     Overloaded,
     PayloadTooLarge,
+    RateLimited,
     RouterError,
     Unauthenticated,
 )
 from router.json_body import decode_json
 from router.metrics import CONTENT_TYPE
 from router.openai_format import SSE_DONE, ChunkWriter, error_event, full_response
+from router.rate_limit import RateLimiter, retry_after_s
 from router.requests import (
     ParsedRequest,
     check_request_id,
@@ -183,25 +185,34 @@ async def _json_errors(request: web.Request, handler):
         return error_response(RouterError("internal error"))
 
 
-def _require_key(keys: ApiKeys, open_paths: frozenset[str]):
+def _require_key(keys: ApiKeys, open_paths: frozenset[str], limiter: RateLimiter | None):
     @web.middleware
     async def check(request: web.Request, handler):
         # Checked before the route is resolved to a handler: unknown paths answer 401 too,
         # so the edge does not tell an unauthenticated client which routes exist.
-        if request.path not in open_paths and not keys.allows(
-                request.headers.get("Authorization")):
+        if request.path in open_paths:
+            return await handler(request)
+        key = keys.match(request.headers.get("Authorization"))
+        if key is None:
             return error_response(Unauthenticated(UNAUTHENTICATED_MESSAGE))
+        wait = limiter.take(key) if limiter is not None else 0.0
+        if wait > 0:            # before the body is read: a refused call costs nothing
+            return error_response(RateLimited(limiter.message(wait),
+                                              retry_after_s=retry_after_s(wait)))
         return await handler(request)
     return check
 
 
 def make_app(service: RouterService | None, api_keys: ApiKeys | None = None,
-             metrics_on: bool = True, max_body_bytes: int = MAX_BODY_BYTES
-             ) -> web.Application:
+             metrics_on: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
+             limiter: RateLimiter | None = None) -> web.Application:
+    """limiter: per-key rate limits (only with api_keys: the buckets are per key)."""
     middlewares = [_json_errors]
+    if limiter is not None and not api_keys:
+        raise ValueError("a rate limit needs API keys: it is counted per key")
     if api_keys:
         # /metrics stays open for Prometheus scrapers (turn it off with --no-metrics).
-        middlewares.append(_require_key(api_keys, OPEN_HTTP_PATHS | {"/metrics"}))
+        middlewares.append(_require_key(api_keys, OPEN_HTTP_PATHS | {"/metrics"}, limiter))
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[SERVICE_KEY] = service
     app[BODY_LIMIT_KEY] = max_body_bytes

@@ -15,6 +15,7 @@ from pathlib import Path
 from cluster.discovery.etcd_access import EtcdAccess
 from cluster.tls import TlsConfig
 from router.public_tls import PublicTls
+from router.rate_limit import RateLimit, RateLimiter
 
 log = logging.getLogger("pdserve.router")
 
@@ -39,6 +40,7 @@ class RouterConfig:
     # The public edge (docs/SECURITY.md): keys clients must send (none: open), /metrics on
     # the HTTP port, gRPC server reflection (off: it describes the API to anyone).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    rate_limit: RateLimit | None = None         # per key (router/rate_limit.py); None: off
     metrics: bool = True
     grpc_reflection: bool = False
     # Mutual TLS to the nodes (cluster/tls.py; None: plaintext); TLS and credentials for
@@ -70,6 +72,8 @@ class RouterConfig:
             raise ValueError(f"lease_ms must be >= 1000, got {self.lease_ms}")
         from router.auth import ApiKeys
 
+        if self.rate_limit is not None and not ApiKeys(self.api_keys):
+            raise ValueError("--rate-limit needs --api-key: the limit is counted per key")
         ApiKeys(self.api_keys)                  # ValueError naming what is wrong with a key
 
 
@@ -105,7 +109,9 @@ class Router:
                                     access=config.etcd_access)
         self.registry = registry
         self.api_keys = ApiKeys(config.api_keys)
-        self.app = make_app(self.service, api_keys=self.api_keys, metrics_on=config.metrics)
+        self.limiter = RateLimiter(config.rate_limit) if config.rate_limit else None
+        self.app = make_app(self.service, api_keys=self.api_keys, metrics_on=config.metrics,
+                            limiter=self.limiter)
         self._runner = None
         self._grpc = None
         self._feed: asyncio.Task | None = None
@@ -133,14 +139,16 @@ class Router:
         bound = self._runner.addresses[0][1]                  # port 0: the one chosen
         self.http_url = f"{'https' if tls is not None else 'http'}://{host}:{bound}"
         self._grpc = GrpcFront(self.service, self.config.grpc_listen, api_keys=self.api_keys,
-                               reflection_on=self.config.grpc_reflection, public_tls=tls)
+                               reflection_on=self.config.grpc_reflection, public_tls=tls,
+                               limiter=self.limiter)
         await self._grpc.start()
         ghost = self.config.grpc_listen.rpartition(":")[0]
         self.grpc_address = f"{ghost}:{self._grpc.port}"
-        log.info("router serving %r: HTTP %s, gRPC %s, policy %s, cluster %r, API key %s",
-                 self.info.name, self.http_url, self.grpc_address, self.config.policy,
-                 self.config.cluster,
-                 f"required ({len(self.api_keys)} configured)" if self.api_keys else "not required")
+        log.info("router serving %r: HTTP %s, gRPC %s, policy %s, cluster %r, API key %s, "
+                 "rate limit %s", self.info.name, self.http_url, self.grpc_address,
+                 self.config.policy, self.config.cluster,
+                 f"required ({len(self.api_keys)} configured)" if self.api_keys else "not required",
+                 f"{self.config.rate_limit} per key" if self.config.rate_limit else "none")
         if self.config.ready_file:
             path = Path(self.config.ready_file)
             tmp = path.with_suffix(path.suffix + ".tmp")

@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "`authorization: Bearer KEY`); repeat the flag or separate keys with commas for "
              "several; /health and gRPC health stay open (default: no key, open). Prefer the "
              "env variable: flags show in the process list")
+    env_argument(p, "--rate-limit", "PDSERVE_RATE_LIMIT", default=None, metavar="RPS[:BURST]",
+                 help="per API key: at most RPS calls a second, BURST at once (default: RPS "
+                      "rounded up); over it HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED; "
+                      "needs --api-key; counted per router process (default: no limit)")
     env_bool_argument(p, "--metrics", "PDSERVE_METRICS", default=True,
                       help="serve Prometheus /metrics on the HTTP port (open, without a key)")
     env_flag(p, "--grpc-reflection", "PDSERVE_GRPC_REFLECTION",
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     from launch.cli_common import etcd_access_from_args, tls_from_args
     from router.public_tls import PublicTls
+    from router.rate_limit import RateLimit
     from router.server import RouterConfig, serve
 
     model = args.model
@@ -95,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                               queue_timeout_s=args.queue_timeout,
                               queue_depth=args.queue_depth, ready_file=args.ready_file,
                               api_keys=tuple(args.api_key), metrics=args.metrics,
+                              rate_limit=(RateLimit.parse(args.rate_limit)
+                                          if args.rate_limit else None),
                               grpc_reflection=args.grpc_reflection,
                               tls=tls_from_args(args),
                               etcd_access=etcd_access_from_args(args),

@@ -52,7 +52,8 @@ class EdgeServer:
         scheme = "https" if tls is not None else "http"
         self.http_url = f"{scheme}://127.0.0.1:{self._runner.addresses[0][1]}"
         self._grpc = GrpcFront(service, "127.0.0.1:0", api_keys=self.keys,
-                               reflection_on=self.reflection_on, public_tls=tls)
+                               reflection_on=self.reflection_on, public_tls=tls,
+                               limiter=self.app_options.get("limiter"))
         await self._grpc.start()
         self.grpc_address = f"127.0.0.1:{self._grpc.port}"
 
