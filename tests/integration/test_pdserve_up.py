@@ -126,6 +126,15 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
             assert _processes_mentioning(str(tls_dir / f"{name}.crt")), name
         node = (Path(run_dir) / "decode-0.ready").read_text().strip()
         assert _plaintext_health_fails(node)
+        # etcd too: https only with client certificates required, and every process dials
+        # it with its own leaf (the request above went through nodes found that way)
+        (etcd_pid,) = _processes_mentioning(str(tls_dir / "etcd.crt"))
+        etcd_cmd = Path(f"/proc/{etcd_pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--client-cert-auth" in etcd_cmd
+        url = etcd_cmd[etcd_cmd.index(b"--listen-client-urls") + 1].decode()
+        assert url.startswith("https://")
+        for name in ("prefill-0", "decode-0", "router"):
+            assert _processes_mentioning(f"--etcd-cert\0{tls_dir / name}.crt"), name
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)
