@@ -102,6 +102,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.inbox = CommandInbox()
         self._changed: dict[int, Sequence] = {}   # gained or ended outside a step
+        self.blocked = False     # the last step found every waiter short of held blocks
         self._load = EngineLoad()
         self._load_hashes_at = 0.0
         self.connector = connector(self) if connector is not None else None
@@ -166,7 +167,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._changed) or bool(len(self.inbox))
+        """False while every waiting request waits for blocks held outside the scheduler
+        (`blocked`): only a command (a push landing, a release) or time can change that."""
+        return (self.scheduler.has_unfinished() and not self.blocked) or bool(self._changed) \
+            or bool(len(self.inbox))
 
     # ---- the command boundary ------------------------------------------------------
     def submit(self, command: Command) -> Future:
@@ -315,6 +319,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that gained a token this step."""
+        self.blocked = False
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._unblock()
@@ -366,15 +371,24 @@ class LLMEngine:
                                               top_l[row] if top_l else (), k))
 
     def _unblock(self) -> None:
-        """Nothing could be scheduled although requests wait: the head request cannot
-        fit in the whole KV pool. Finish it rather than spin forever."""
+        """Nothing could be scheduled although requests wait and none runs. Blocks held
+        outside the scheduler (a decode node's reservations, awaiting their KV) come back
+        when their push lands or their lease ends, so a head that fits the whole pool
+        waits for them (`blocked`: the loop sleeps until a command or its backstop). Only
+        a head larger than the whole pool is finished, rather than wait forever. (Finishing
+        any blocked head cut decode-node streams short with finish "length": 5-11 of 500
+        queued streams in tests/fault/test_queue_500.py.)"""
         sch = self.scheduler
-        if sch.waiting and not sch.running:
-            seq = sch.waiting[0]
-            log.warning("request %s needs more KV blocks than the cache holds; finishing it",
-                        seq.request_id)
-            sch.finish(seq, "length")
-            self._changed[seq.seq_id] = seq
+        if not sch.waiting or sch.running:
+            return
+        seq, bm = sch.waiting[0], self.block_manager
+        if bm.blocks_needed(len(seq) + 1) <= bm.num_blocks - 1:      # block 0 is padding
+            self.blocked = True
+            return
+        log.warning("request %s needs more KV blocks than the cache holds; finishing it",
+                    seq.request_id)
+        sch.finish(seq, "length")
+        self._changed[seq.seq_id] = seq
 
     def stats(self) -> dict:
         bm = self.block_manager
