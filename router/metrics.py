@@ -7,7 +7,7 @@ load is read from the node pool at scrape time, so departed nodes disappear from
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,10 @@ class RouterMetrics:
         self.replays = Counter("pdserve_router_replays",
                                "Requests replayed on another node pair after a node failure",
                                registry=r)
+        # set to the admission queue's depth by the backend (read at scrape time)
+        self.queued = Gauge("pdserve_router_queued_requests",
+                            "Requests waiting in the admission queue for room on a decode node",
+                            registry=r)
         self.node_failures = Counter("pdserve_router_node_failures",
                                      "Node calls that failed and dropped the node", ["role"],
                                      registry=r)

@@ -121,6 +121,7 @@ class PdBackend:
         # up to this long, behind at most `queue_depth` others, before the client gets 429.
         self.queue_timeout_s = queue_timeout_s
         self.admission = AdmissionQueue(queue_depth)
+        metrics.queued.set_function(lambda: self.admission.depth)
         self.max_attempts = max_attempts
         self.channels = ChannelCache(tls)
 
