@@ -47,6 +47,7 @@ class NodePool:
         self.failed_hold_s = failed_hold_s
         self.version = 0            # bumped on membership change (tests wait on it)
         self._removed: dict[str, asyncio.Event] = {}   # set when discovery drops the node
+        self._change_waiters: list[asyncio.Future] = []
 
     # ---- discovery events ------------------------------------------------------------
     def upsert(self, node: NodeState) -> None:
@@ -64,7 +65,7 @@ class NodePool:
                          "inflight"):
                 setattr(node, attr, getattr(old, attr))
         if old is None or old.address != node.address or old.incarnation != node.incarnation:
-            self.version += 1
+            self._bump()
         self._nodes[node.node_id] = node
 
     def update_load(self, node_id: str, *, running: int | None = None,
@@ -89,7 +90,7 @@ class NodePool:
         """Discovery says the node is gone (DELETE): forget it, on hold or not."""
         self._failed.pop(node_id, None)
         if self._nodes.pop(node_id, None) is not None:
-            self.version += 1
+            self._bump()
         event = self._removed.pop(node_id, None)
         if event is not None:
             event.set()
@@ -106,7 +107,7 @@ class NodePool:
         node = self._nodes.pop(node_id, None)
         if node is not None:
             self._failed[node_id] = (node, time.monotonic())
-            self.version += 1
+            self._bump()
 
     def _revive(self) -> None:
         now = time.monotonic()
@@ -114,7 +115,29 @@ class NodePool:
             if now - when >= self.failed_hold_s:
                 del self._failed[node_id]
                 self._nodes[node_id] = state
-                self.version += 1
+                self._bump()
+
+    def _bump(self) -> None:
+        self.version += 1
+        waiters, self._change_waiters = self._change_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_change(self, timeout: float) -> bool:
+        """Wait until membership changes (a node joins, comes back or leaves); False when
+        `timeout` passed first. A failed node's hold ending is seen by the next query,
+        not here: callers poll with a bounded timeout."""
+        fut = asyncio.get_running_loop().create_future()
+        self._change_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, max(0.0, timeout))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if fut in self._change_waiters:
+                self._change_waiters.remove(fut)
 
     # ---- queries ---------------------------------------------------------------------
     def nodes(self, role: str, model: str | None = None) -> list[NodeState]:

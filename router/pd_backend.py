@@ -157,6 +157,7 @@ class PdBackend:
         queued_until = loop.time() + self.queue_timeout_s
         turn: Turn | None = None         # this request's place while it waits for room
         waited = False
+        waited_for_node = False
 
         def reserved() -> None:          # a decode node took it: the next waiter's turn
             nonlocal turn
@@ -199,10 +200,22 @@ class PdBackend:
                                          f"tried: {', '.join(sorted(full))}) for "
                                          f"{self.queue_timeout_s:g} s; retry later",
                                          retry_after_s=1) from None
+                    if loop.time() < queued_until:
+                        # no node of a role can take it now (restarting after a crash,
+                        # draining, refused, not registered yet): wait for the pool to
+                        # change rather than refuse (polled: a failed node's hold ends
+                        # unannounced), then try every node again
+                        waited_for_node = True
+                        await self.pool.wait_change(min(1.0, queued_until - loop.time()))
+                        exclude["prefill"].clear()
+                        exclude["decode"].clear()
+                        continue
+                    why = f"{exc.message} (waited {self.queue_timeout_s:g} s)" \
+                        if waited_for_node else exc.message
                     if refusals:
-                        raise NoNodeAvailable(f"{exc.message}; last refusal: {refusals[-1]}"
+                        raise NoNodeAvailable(f"{why}; last refusal: {refusals[-1]}"
                                               ) from None
-                    raise
+                    raise NoNodeAvailable(why) from None
                 try:
                     async with contextlib.aclosing(self._attempt(
                             pre, dec, rid, prompt, params, request.params,

@@ -126,13 +126,35 @@ def _pids_of(ready_file: Path) -> list[int]:
     return pids
 
 
-def _complete(http: str) -> dict:
+def _complete(http: str, timeout: float = 30) -> dict:
     body = json.dumps({"model": MODEL, "prompt": "Hello there", "max_tokens": 4,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"{http}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+class SteadyClient:
+    """Completions one after another from a thread, keeping every answer and failure."""
+
+    def __init__(self, http: str):
+        self.http, self.answers, self.failures = http, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:     # a request may wait for the restart (the router's --queue-timeout)
+                self.answers.append(_complete(self.http, timeout=120)["choices"][0]["text"])
+            except OSError as exc:
+                body = exc.read().decode() if hasattr(exc, "read") else ""
+                self.failures.append(f"{exc} {body}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(150)
 
 
 def _until(predicate, timeout: float, what: str):
@@ -173,14 +195,22 @@ def test_pdserve_up_restarts_a_killed_decode_node_and_serves_again(tmp_path):
 
         ready = Path(run_dir) / "decode-0.ready"
         (old_pid,) = _pids_of(ready)
+        client = SteadyClient(http)          # requests keep coming through the restart
+        _until(lambda: len(client.answers) >= 2, 60, "steady answers")
+        killed_at = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
         _until(lambda: said("decode-0 is serving again"), 120, "decode-0 back:\n"
                + "".join(lines))
+        print(f"decode-0 serving again {time.monotonic() - killed_at:.1f} s after SIGKILL")
         (new_pid,) = _pids_of(ready)
         assert new_pid != old_pid and proc.poll() is None
-        # the router takes the new incarnation from etcd: requests succeed again
-        answer = _until(lambda: _complete(http), 60, "a completion after the restart")
-        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+        # the router takes the new incarnation from etcd: requests succeed again, and
+        # those sent while the only decode node was down waited for it, none failed
+        served = len(client.answers)
+        _until(lambda: len(client.answers) >= served + 3, 60, "answers after the restart")
+        client.stop()
+        assert not client.failures, client.failures[:3]
+        assert len(set(client.answers)) == 1, set(client.answers)     # greedy, one prompt
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)

@@ -66,3 +66,38 @@ def test_past_the_queue_depth_the_answer_is_429_at_once_with_retry_after():
     # one in service, two waiting; the other three are refused at once, with the hint
     assert len(served) == 3 and len(refused) == 3
     assert all("--queue-depth 2" in o.message and o.retry_after_s >= 1 for o in refused)
+
+
+def test_requests_wait_for_the_only_decode_node_to_come_back():
+    """The only decode node dies mid-stream (as under `pdserve up`, whose supervisor
+    restarts it) and a second request arrives while it is gone. Neither fails: both wait
+    (within --queue-timeout) until discovery brings the node back, under a new
+    incarnation, and then get their exact tokens; the first one without repeats."""
+    from router.node_pool import NodeState
+    from tests.unit.test_router_pd_flow import FakeDecode, _serve
+
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{"die_after": 2}], [{}])
+        backend.queue_timeout_s = 20
+        first = asyncio.ensure_future(_collect(backend, "a", PROMPT, 6))
+        while pool.nodes("decode") and not first.done():    # until the router drops it
+            await asyncio.sleep(0.01)
+        assert not first.done(), "the request should wait for a decode node"
+        second = asyncio.ensure_future(_collect(backend, "b", PROMPT + [7], 4))
+        await asyncio.sleep(0.5)              # both wait; neither is refused meanwhile
+        assert not first.done() and not second.done()
+        from protos import node_pb2_grpc
+        server, addr = await _serve(FakeDecode(shared),
+                                    node_pb2_grpc.add_DecodeNodeServicer_to_server)
+        servers.append(server)
+        pool.upsert(NodeState("decode-0", "decode", addr, incarnation="restarted"))
+        out = await asyncio.gather(first, second)
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return out
+
+    (a, _), (b, _) = _run(main())
+    assert a == _expected(PROMPT, 6)
+    assert b == _expected(PROMPT + [7], 4)

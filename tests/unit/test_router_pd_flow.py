@@ -271,8 +271,8 @@ def test_every_decode_node_full_is_overloaded_and_no_nodes_is_unavailable():
             await s.stop(None)
         await backend.close()
         empty = PdBackend(NodePool(), make_policy("least-load"), RouterMetrics(NodePool()),
-                          max_model_len=512)
-        with pytest.raises(NoNodeAvailable, match="no prefill node"):
+                          max_model_len=512, queue_timeout_s=0.3)
+        with pytest.raises(NoNodeAvailable, match=r"no prefill node .*waited 0.3 s"):
             await _collect(empty, "r5", PROMPT, 4)
         return shared
 
