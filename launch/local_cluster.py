@@ -120,6 +120,7 @@ class LocalCluster:
         self.nodes: list[Child] = []
         self.router: Child | None = None
         self.supervisor = None          # a Supervisor once start() succeeded
+        self._etcd_child: Child | None = None     # what the supervisor watches for etcd
         self.notify = _say
         self.http_url = ""
         self.grpc_address = ""
@@ -249,8 +250,8 @@ class LocalCluster:
         from launch.supervisor import Supervisor
 
         self.supervisor = Supervisor(self.restart_node, notify=lambda m: self.notify(m))
-        etcd = Child("etcd", [], self.etcd.log_path, proc=self.etcd.proc)
-        for child in (etcd, self.router):
+        self._etcd_child = Child("etcd", [], self.etcd.log_path, proc=self.etcd.proc)
+        for child in (self._etcd_child, self.router):
             self.supervisor.watch_essential(child)
         for node in self.nodes:
             self.supervisor.watch_node(node)
@@ -264,6 +265,27 @@ class LocalCluster:
         if self.supervisor is not None:
             return self.supervisor.poll()
         return self.dead_children()
+
+    def start_again(self, child: Child) -> None:
+        """Start a node that stopped on purpose (drained by SIGTERM, exit 0: the supervisor
+        leaves those stopped) again, supervised: the second half of a rolling restart."""
+        self.restart_node(child)
+        if self.supervisor is not None:
+            self.supervisor.watch_node(child)
+
+    def stop_etcd(self) -> None:
+        """Stop etcd on purpose (maintenance, a fault drill): supervision does not count it
+        dead; nodes and routers keep serving on what they know. `start_etcd` brings it
+        back on the same port and data."""
+        if self.supervisor is not None and self._etcd_child is not None:
+            self.supervisor.unwatch_essential(self._etcd_child)
+        self.etcd.stop()
+
+    def start_etcd(self, timeout: float = 20.0) -> None:
+        self.etcd.start(timeout)
+        if self.supervisor is not None and self._etcd_child is not None:
+            self._etcd_child.proc = self.etcd.proc
+            self.supervisor.watch_essential(self._etcd_child)
 
     def dead_children(self) -> list[Child]:
         """Every node or router process that is not running. Only reports: a node killed on

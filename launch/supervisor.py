@@ -75,6 +75,10 @@ class Supervisor:
     def watch_essential(self, child) -> None:
         self._essential.append(child)
 
+    def unwatch_essential(self, child) -> None:
+        """Stop watching `child` (it is being stopped on purpose, e.g. etcd maintenance)."""
+        self._essential = [c for c in self._essential if c is not child]
+
     def poll(self) -> list:
         """One round: restart what is due; return the children whose loss ends the cluster
         (empty while it can go on)."""

@@ -111,6 +111,32 @@ def test_clean_exit_stays_stopped_and_router_or_etcd_loss_is_fatal():
     assert exit_reason(2) == "exited with status 2"
 
 
+def test_etcd_stopped_on_purpose_is_not_fatal_and_a_drained_node_can_be_watched_again():
+    """LocalCluster.stop_etcd / start_etcd (maintenance, the soak's etcd outage) unwatch
+    and rewatch etcd; start_again re-watches a node that drained (exit 0)."""
+    sup, clock, said, restarted, ch = _supervisor("decode-0", "etcd")
+    sup.watch_node(ch["decode-0"])
+    sup.watch_essential(ch["etcd"])
+    sup.unwatch_essential(ch["etcd"])
+    ch["etcd"].die(0)
+    clock.now += 5
+    assert sup.poll() == []
+    ch["etcd"].proc = FakeProc(7)                   # started again
+    sup.watch_essential(ch["etcd"])
+    ch["decode-0"].die(0)                          # drained: left stopped...
+    clock.now += 5
+    assert sup.poll() == [] and restarted == []
+    ch["decode-0"].proc = FakeProc(9)              # ...until started again and re-watched
+    sup.watch_node(ch["decode-0"])
+    ch["decode-0"].die(-signal.SIGKILL)
+    clock.now += 5
+    sup.poll()
+    clock.now += 1
+    assert sup.poll() == [] and restarted == ["decode-0"]
+    ch["etcd"].die(-signal.SIGKILL)                # watched again: its loss is fatal
+    assert sup.poll() == [ch["etcd"]]
+
+
 def _pids_of(ready_file: Path) -> list[int]:
     """The processes of this run's node (its --ready-file names it; other runs on the
     machine use the same node ids)."""
