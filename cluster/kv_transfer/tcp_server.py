@@ -22,6 +22,7 @@ from cluster.kv_transfer.limits import TcpLimits
 from cluster.kv_transfer.receiver import WRITTEN, PushHandler
 from cluster.kv_transfer.tcp_framing import BUSY, FRAME, MAX_DATA, MAX_META, READY, REPLY
 from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
+from cluster.kv_transfer.tls_stream import server_stream
 from cluster.tls import TlsConfig
 from engine.pd_decode import PushDenied, PushRejected, UnknownReservation
 from protos import node_pb2
@@ -170,7 +171,7 @@ class TcpKvServer:
         """Mutual TLS before the greeting; a peer without a certificate of the cluster CA
         (or speaking plaintext, or too slow) is closed without one."""
         try:
-            c.sock = self.tls.wrap_socket(c.sock, server_side=True)
+            c.sock = server_stream(c.sock, self.tls)
         except (ssl.SSLError, OSError) as exc:
             c.untrusted = True
             self.untrusted += 1
@@ -264,7 +265,7 @@ class TcpKvServer:
         # blocking, so a refusal reaches a sender still streaming; the rest (never, in
         # practice) goes from the connection's thread.
         try:
-            # an SSLSocket takes no flags and its writes belong to the connection's thread
+            # a TLS stream takes no flags and its writes belong to the connection's thread
             sent = 0 if self.tls is not None else c.sock.send(reply, socket.MSG_DONTWAIT)
         except OSError:
             sent = 0

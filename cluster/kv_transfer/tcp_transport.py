@@ -29,6 +29,8 @@ from cluster.kv_transfer.grpc_transport import GrpcTransport
 from cluster.kv_transfer.tcp_framing import CODES, FRAME, REPLY
 from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
 from cluster.kv_transfer.tcp_server import TcpKvServer
+from cluster.kv_transfer.tls_stream import client_stream
+from cluster.tls import CLUSTER_NAME
 from protos import node_pb2
 
 __all__ = ["TcpKvServer", "TcpTransport"]
@@ -106,13 +108,13 @@ class TcpTransport(KvTransport):
             sock.close()
             await asyncio.gather(sent, return_exceptions=True)
 
-    def _connect(self, host: str, port: int) -> socket.socket:
+    def _connect(self, host: str, port: int):
         sock = socket.create_connection((host, port), 10.0)
         if self._tls is None:
             return sock
-        tls, context = self._tls
+        _, context = self._tls
         try:
-            return tls.wrap_client(sock, context)       # ssl.SSLError is an OSError
+            return client_stream(sock, context, CLUSTER_NAME)  # ssl.SSLError is an OSError
         except OSError:
             sock.close()
             raise
