@@ -119,11 +119,18 @@ async def _aiter(items):
         yield item
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) of this process plus process `pid`: the
+    sender's and the receiver's work together, which machine load does not stretch."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return time.process_time() + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def push_seconds(decode_addr: str, prompt: list[int], repeats: int, transport_name: str,
-                       tls=None):
+                       tls=None, pid: int | None = None):
     """Times KvTransport.push of a whole prompt's KV (random bytes) into a real decode
     node: its reservation, validation and cache writes included. tls: a TlsConfig for a
-    decode node started with mutual TLS."""
+    decode node started with mutual TLS. pid: the decode node's, to count CPU seconds."""
     import torch
 
     from cluster.kv_transfer.base import GRPC_OPTIONS
@@ -138,7 +145,7 @@ async def push_seconds(decode_addr: str, prompt: list[int], repeats: int, transp
     transport = TcpTransport(grpc_transport) if transport_name == "tcp" else grpc_transport
     async with open_channel(decode_addr, tls, GRPC_OPTIONS) as ch:
         stub = node_pb2_grpc.DecodeNodeStub(ch)
-        times, nbytes, payload = [], 0, None
+        times, cpus, nbytes, payload = [], [], 0, None
         for r in range(repeats + 1):                      # the first run warms up
             call = stub.Decode(node_pb2.ReserveRequest(
                 request_id=f"bw-{transport_name}-{r}", prompt_token_ids=prompt,
@@ -161,17 +168,20 @@ async def push_seconds(decode_addr: str, prompt: list[int], repeats: int, transp
                 items += [node_pb2.KvPushMessage(chunk=m) for m, _ in parts]
             items.append(node_pb2.KvPushMessage(done=node_pb2.PushDone(
                 first_token_id=1, num_chunks=len(parts))))
+            c0 = cpu_seconds(pid) if pid else 0.0
             t0 = time.perf_counter()
             ack = await transport.push(decode_addr, _aiter(items))
             dt = time.perf_counter() - t0
+            cpu = cpu_seconds(pid) - c0 if pid else 0.0
             async for _ in call:                          # the 1-token request finishes
                 pass
             if r:
                 times.append(dt)
+                cpus.append(cpu)
             nbytes = ack.bytes_received
             payload = [tensor_bytes(t) for _, t in parts]
     await transport.close()
-    return times, nbytes, payload
+    return times, cpus, nbytes, payload
 
 
 def call_id(transport_name: str, r: int) -> str:
@@ -239,6 +249,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="512-token prompt, 2 repeats")
     ap.add_argument("--skip-ttft", action="store_true", help="push bandwidth only")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds of alternating pushes (each: --repeats per kind)")
     ap.add_argument("--kv-transport", default="grpc", choices=["grpc", "tcp"],
                     help="the prefill node's transport in the TTFT part")
     args = ap.parse_args()
@@ -268,17 +280,23 @@ def main() -> int:
                                             Path(tmp), name="decode-tls")
         prefill = None
         try:
-            runs = {}
-            for _ in range(2):          # alternate, so machine load hits all alike
+            runs, cpus = {}, {}
+            for _ in range(args.rounds):          # alternate, so machine load hits all alike
                 for name in ("grpc", "tcp"):
-                    t, nbytes, payload = asyncio.run(push_seconds(d_addr, prompts[0],
-                                                                  args.repeats, name))
+                    t, c, nbytes, payload = asyncio.run(push_seconds(
+                        d_addr, prompts[0], args.repeats, name, pid=decode.pid))
                     runs.setdefault(name, []).extend(t)
-                    t, _, _ = asyncio.run(push_seconds(d_tls_addr, prompts[0], args.repeats,
-                                                       name, tls=tls["bench"]))
+                    cpus.setdefault(name, []).extend(c)
+                    t, c, _, _ = asyncio.run(push_seconds(d_tls_addr, prompts[0], args.repeats,
+                                                          name, tls=tls["bench"],
+                                                          pid=decode_tls.pid))
                     runs.setdefault(f"{name}-tls", []).extend(t)
+                    cpus.setdefault(f"{name}-tls", []).extend(c)
                 runs.setdefault("raw", []).extend(raw_tcp_seconds(payload, args.repeats))
             best = {k: nbytes / min(v) / 1e9 for k, v in runs.items()}
+
+            def med(a: str, b: str) -> float:       # throughput ratio a / b of the medians
+                return statistics.median(runs[b]) / statistics.median(runs[a])
             print(f"\nKV push of a {args.prompt_len}-token prompt: {nbytes / 1e6:.1f} MB in "
                   f"{len(payload)} chunks of <= {CHUNK >> 20} MiB, {len(runs['raw'])} runs each")
             for key, label in (("grpc", "gRPC push (default transport)"),
@@ -293,7 +311,15 @@ def main() -> int:
                 print(f"  {label:42s} best {min(runs[key]) * 1e3:7.1f} ms = {best[key]:5.2f} "
                       f"GB/s (median {statistics.median(runs[key]) * 1e3:.1f} ms)")
             print(f"  cost of TLS (best vs best): gRPC {1 - best['grpc-tls'] / best['grpc']:.0%},"
-                  f" TCP data plane {1 - best['tcp-tls'] / best['tcp']:.0%} (target <= 20%)")
+                  f" TCP data plane {1 - best['tcp-tls'] / best['tcp']:.0%} (target <= 20%); "
+                  f"medians: gRPC {1 - med('grpc-tls', 'grpc'):.0%}, "
+                  f"TCP {1 - med('tcp-tls', 'tcp'):.0%}")
+            cpu = {k: statistics.median(v) for k, v in cpus.items()}
+            print("  CPU seconds per push, sender + decode node (median; load does not stretch "
+                  "these): " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in cpu.items()))
+            print(f"  CPU added by TLS: gRPC +{cpu['grpc-tls'] / cpu['grpc'] - 1:.0%}, TCP data "
+                  f"plane +{cpu['tcp-tls'] / cpu['tcp'] - 1:.0%} "
+                  f"({(cpu['tcp-tls'] - cpu['tcp']) * 1e3:.0f} ms for {nbytes / 1e6:.1f} MB)")
             stop(decode_tls)
             decode_tls = None
 
