@@ -151,9 +151,10 @@ class LocalCluster:
         return [sys.executable, "-m", "launch.cli", *args]
 
     def _node_cmd(self, role: str, name: str, ready: Path) -> list[str]:
-        from launch.etcd_server import free_port
-
-        return self._cli(role, "--listen", f"127.0.0.1:{free_port()}", "--etcd",
+        # Port 0: the node binds a free port itself and advertises the one it got (etcd,
+        # its ready file). A port picked here and closed again could be taken by another
+        # process before the node, 5-30 s later, binds it ("Address already in use").
+        return self._cli(role, "--listen", "127.0.0.1:0", "--etcd",
                          self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id",
                          name, "--lease-ttl", str(self.config.lease_ttl), "--ready-file",
                          str(ready), "--model", self.config.model, *self.tls_flags(name),
