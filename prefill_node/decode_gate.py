@@ -80,13 +80,11 @@ class DiscoveryDecodeGate(DecodeGate):
         now = time.monotonic()
         for r in self.view.nodes("decode"):
             self._last_seen[r.address] = now
-        seen = self._last_seen.get(address)
-        if seen is None:
-            return False
-        if now - seen > self.grace_s:
-            del self._last_seen[address]
-            return False
-        return True
+        # forget every address gone for longer than the grace, not only the one asked
+        # about: decode nodes come back on new ports and IPs, and this would grow forever
+        for gone in [a for a, t in self._last_seen.items() if now - t > self.grace_s]:
+            del self._last_seen[gone]
+        return address in self._last_seen
 
     async def admits(self, address: str, wait_s: float = 2.0) -> bool:
         """`allows`, waiting up to `wait_s` for this node's discovery watch to catch up

@@ -57,10 +57,13 @@ class TcpTransport(KvTransport):
         self.fallbacks = 0          # pushes sent over gRPC because the data plane said no
 
     async def _data_address_of(self, address: str) -> str:
+        if isinstance(self.grpc, GrpcTransport):   # (not a test's stand-in transport)
+            await self.grpc.close_idle()   # a decode node unused for long may be gone, or
+            for gone in [a for a in self._data_address if not self.grpc.has_channel(a)]:
+                del self._data_address[gone]   # back elsewhere: ask it again
         if address not in self._data_address:
             try:
-                info = await self.grpc._stub(address).GetNodeInfo(node_pb2.NodeInfoRequest(),
-                                                                  timeout=5.0)
+                info = await self.grpc.node_info(address)
             except grpc.aio.AioRpcError as exc:
                 raise PushFailed(exc.code(), f"decode node {address}: {exc.details()}") from None
             self._data_address[address] = info.kv_tcp_address
