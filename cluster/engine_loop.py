@@ -4,7 +4,8 @@ Other threads never touch the engine's state: they submit commands
 (`engine.submit(...)`, engine/commands.py), which wake this thread; it applies them
 between steps and runs a step while there is work (`engine.run_once`). Every output
 leaves through one outbox, `outbox(outputs)`, called on this thread (it must only hand
-them on, e.g. to an event loop).
+them on, e.g. to an event loop). After work, the heap memory the steps freed goes back to
+the OS (cluster/heap_trim.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from cluster.heap_trim import HeapTrimmer, default_trimmer
+
 log = logging.getLogger("cluster.engine_loop")
 
 IDLE_WAIT_S = 0.5     # a command or stop wakes the loop at once; this is only a backstop
@@ -20,9 +23,12 @@ IDLE_WAIT_S = 0.5     # a command or stop wakes the loop at once; this is only a
 
 class EngineLoop:
     def __init__(self, engine, outbox: Callable[[list], None] | None = None,
-                 name: str = "engine"):
+                 name: str = "engine", trimmer: HeapTrimmer | None = None):
+        """trimmer: gives freed heap memory back to the OS after work (cluster/heap_trim.py;
+        default: glibc's malloc_trim unless PDSERVE_HEAP_TRIM=0)."""
         self.engine = engine
         self.outbox = outbox
+        self.trimmer = trimmer if trimmer is not None else default_trimmer()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
@@ -54,7 +60,9 @@ class EngineLoop:
                 outputs = eng.abort_all()
             if outputs and self.outbox is not None:
                 self.outbox(outputs)
-            if not eng.has_work():
+            idle = not eng.has_work()
+            self.trimmer.after_step(worked=bool(outputs), idle=idle)
+            if idle:
                 self._wake.wait(IDLE_WAIT_S)
         # what was submitted before the stop still happens (blocks freed, aborts applied)
         outputs = eng.settle()
