@@ -87,14 +87,19 @@ def reference(llm, req: Req) -> tuple[list[int], str, str]:
 
 
 class Stall:
-    """The longest wait for the next event of one request (its first token included)."""
+    """One request's wait for its first event (`first`) and its longest wait between
+    events after that (`longest`)."""
 
     def __init__(self):
-        self.last, self.longest = time.monotonic(), 0.0
+        self.last, self.first, self.longest = time.monotonic(), None, 0.0
 
     def tick(self) -> None:
         now = time.monotonic()
-        self.longest, self.last = max(self.longest, now - self.last), now
+        if self.first is None:
+            self.first = now - self.last
+        else:
+            self.longest = max(self.longest, now - self.last)
+        self.last = now
 
 
 async def _http(http: ClientSession, base: str, model: str, req: Req, stall: Stall):
