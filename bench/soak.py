@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "and the cluster's logs (default: a new temporary folder)")
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--faults", default=",".join(KINDS),
-                   help=f"comma-separated kinds to draw from (of {', '.join(KINDS)})")
+                   help=f"comma-separated kinds to draw from (of {', '.join(KINDS)}; "
+                        f"empty: none)")
     p.add_argument("--gap", type=float, nargs=2, default=(20.0, 50.0), metavar=("MIN", "MAX"),
                    help="seconds between a recovery and the next fault")
     p.add_argument("--warmup", type=float, default=120.0,

@@ -8,10 +8,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
-# etcd's database is flat when its file grew by at most this over the run after warm-up:
-# bbolt grows its file in steps and never shrinks it without a defrag, so a fraction of
-# a small file would flag one step.
-ETCD_FLAT_BYTES = 4 << 20
+# etcd's database is flat when its file's largest size in the second half of the run
+# (after warm-up) is at most this above the first half's: it stopped growing once
+# compaction kept pace. bbolt grows its file in steps and never shrinks it without a
+# defrag, so a step or two of slack.
+ETCD_FLAT_SLACK_BYTES = 1 << 20
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -32,8 +33,8 @@ def summarize(opts, results, faults, watch, metrics: str, restarts: list[float],
     ok = [r for r in results if not r.error]
     rss = watch.rss_report(opts.warmup_s, opts.rss_limit)
     etcd = watch.etcd_report(opts.warmup_s)
-    grew = (etcd["end"].get("total", 0) - etcd["baseline"].get("total", 0)) if etcd else 0
-    etcd_flat = bool(etcd) and grew <= ETCD_FLAT_BYTES
+    grew = (etcd["max_second_half"] - etcd["max_first_half"]) if etcd else 0
+    etcd_flat = bool(etcd) and grew <= ETCD_FLAT_SLACK_BYTES
     drift_bad = [r for r in rss if r.get("within") is False]
     unrecovered = [f for f in faults if f.error or f.recovered_after is None]
     report = {
@@ -58,7 +59,7 @@ def summarize(opts, results, faults, watch, metrics: str, restarts: list[float],
                    "node_failures": _counter_total(metrics,
                                                    "pdserve_router_node_failures_total")},
         "rss": rss,
-        "etcd_db": {**etcd, "growth_after_warmup": grew, "flat": etcd_flat},
+        "etcd_db": {**etcd, "second_half_growth": grew, "flat": etcd_flat},
         "fatal": fatal,
     }
     report["passed"] = (not failed and not mismatched and not drift_bad and etcd_flat
@@ -100,11 +101,19 @@ def markdown(report: dict) -> str:
                      f"{r['max_mb']} | {drift} |")
     e = report["etcd_db"]
     if e.get("baseline"):
+        mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
         lines += ["", "## etcd database", "",
-                  f"- file / in use: first {e['first']}, at warm-up ({e['baseline_s']} s) "
-                  f"{e['baseline']}, end {e['end']} bytes; largest file {e['max_total']}",
-                  f"- growth after warm-up: {e['growth_after_warmup']} bytes: "
-                  f"{'flat' if e['flat'] else '**not flat**'}"]
+                  f"- file: {mb(e['first'].get('total', 0))} at the start, "
+                  f"{mb(e['baseline'].get('total', 0))} at warm-up ({e['baseline_s']} s), "
+                  f"{mb(e['end'].get('total', 0))} at the end (in use "
+                  f"{mb(e['end'].get('in_use', 0))}; revision {e['end'].get('revision')}, "
+                  f"compacted up to {e['end'].get('compacted')})",
+                  f"- largest in the first / second half after warm-up: "
+                  f"{mb(e['max_first_half'])} / {mb(e['max_second_half'])}: "
+                  f"{'flat' if e['flat'] else '**still growing**'}",
+                  "- per minute (s: file MB, revision, compacted): " + ", ".join(
+                      f"{t:.0f}: {mb(s.get('total', 0))[:-3]}, {s.get('revision')}, "
+                      f"{s.get('compacted')}" for t, s in e["per_minute"])]
     if report["fatal"]:
         lines += ["", "## Fatal", ""] + [f"    {x}" for x in report["fatal"]]
     return "\n".join(lines) + "\n"
