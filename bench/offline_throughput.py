@@ -306,7 +306,7 @@ def main(argv=None) -> int:
         wls = args.workloads if "--workloads" in (argv or sys.argv) else "mixed,uniform,short"
         folder = args.model or str(model_folder("smollm2", args, Path(".")))
         return versus_vllm.main(folder, args.dtype, [w for w in wls.split(",") if w],
-                                args.rounds, args.json)
+                                args.rounds, args.json, quick=args.quick)
     args.workloads = [w for w in args.workloads.split(",") if w]
     if bad := set(args.workloads) - {"mixed", "uniform"}:
         ap.error(f"unknown workloads: {sorted(bad)}")

@@ -53,6 +53,20 @@ def engines(n_cpus: int) -> dict[str, tuple[str, dict]]:
     }
 
 
+def _plain_model(model: str, tmp: Path) -> str:
+    """The model folder without pdserve's MTP head (mtp.safetensors, which vLLM's loader
+    would take for the model's own weights and refuse): symlinks to every other file."""
+    src = Path(model)
+    if not any(src.glob("mtp*.safetensors")):
+        return model
+    dst = tmp / "model"
+    dst.mkdir()
+    for f in src.iterdir():
+        if not f.name.startswith("mtp"):
+            (dst / f.name).symlink_to(f.resolve())
+    return str(dst)
+
+
 def _run_engine(name: str, python: str, env: dict, spec: Path, out: Path) -> dict:
     engine = "ours" if name == "ours" else "vllm"
     cmd = [python, str(ROOT / "bench" / "engine_runner.py"), "--engine", engine, "--spec",
@@ -68,26 +82,34 @@ def _run_engine(name: str, python: str, env: dict, spec: Path, out: Path) -> dic
     return result
 
 
-def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int) -> dict:
+def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int,
+        quick: bool = False) -> dict:
+    """quick: an eighth of the requests, outputs cut to 16 (a smoke test, not figures)."""
     if not PEER_PYTHON.exists():
         raise SystemExit(f"{PEER_PYTHON} is missing: run `make bench-peer` first")
-    reqs = {w: random_requests(WORKLOADS[w][0], WORKLOADS[w][1], WORKLOADS[w][2], vocab,
-                               seed=WORKLOADS[w][3]) for w in workloads}
+    reqs = {}
+    for w in workloads:
+        n, prompts, outputs, seed = WORKLOADS[w]
+        if quick:
+            n, outputs = max(1, n // 8), (min(outputs[0], 16), min(outputs[1], 16))
+        reqs[w] = random_requests(n, prompts, outputs, vocab, seed=seed)
     max_len = max(len(r.prompt) + r.max_tokens for rs in reqs.values() for r in rs)
-    spec = {"model": model, "dtype": dtype, "max_num_seqs": 64, "kv_gb": KV_GB,
+    tmp_dir = tempfile.TemporaryDirectory(prefix="pdserve-versus-")
+    tmp = Path(tmp_dir.name)
+    spec = {"model": _plain_model(model, tmp), "dtype": dtype, "max_num_seqs": 64, "kv_gb": KV_GB,
             "max_model_len": -(-max_len // 256) * 256,
             "workloads": {w: [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in rs]
                           for w, rs in reqs.items()}}
     runs: list[dict] = []
     names = list(engines(os.cpu_count() or 1))
-    with tempfile.TemporaryDirectory(prefix="pdserve-versus-") as tmp:
-        spec_path = Path(tmp) / "spec.json"
+    with tmp_dir:
+        spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps(spec))
         for rnd in range(rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for name in order:
                 python, env = engines(os.cpu_count() or 1)[name]
-                res = _run_engine(name, python, env, spec_path, Path(tmp) / f"{name}.json")
+                res = _run_engine(name, python, env, spec_path, tmp / f"{name}.json")
                 runs.append({"round": rnd, "engine": name, **res})
     useful = {w: sum(r.max_tokens for r in rs) for w, rs in reqs.items()}
     return {"model": model, "dtype": dtype, "useful_tokens": useful, "runs": runs,
@@ -126,11 +148,12 @@ def summarize(result: dict) -> str:
     return "\n".join(out)
 
 
-def main(model: str, dtype: str, workloads: list[str], rounds: int, json_path: str | None):
+def main(model: str, dtype: str, workloads: list[str], rounds: int, json_path: str | None,
+         quick: bool = False):
     from engine.models.model_config import ModelConfig
 
     vocab = ModelConfig.from_folder(Path(model)).vocab_size
-    result = run(model, dtype, workloads, rounds, vocab)
+    result = run(model, dtype, workloads, rounds, vocab, quick)
     text = summarize(result)
     print("\n" + text)
     if json_path:
