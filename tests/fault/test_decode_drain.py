@@ -29,6 +29,7 @@ from tests.integration.router_harness import (
     MODEL,
     Req,
     Stall,
+    check_stream_waits,
     reference,
     router_inflight,
     run_batch,
@@ -40,8 +41,6 @@ from tests.integration.router_harness import (
 pytestmark = pytest.mark.timeout(400)
 
 NUM_STREAMS = 64
-STALL_S = 5.0                   # the bound on any stream's wait
-FIRST_TOKEN_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +96,7 @@ def test_sigterm_decode_node_during_64_streams_loses_nothing(cluster, llm):
     assert re.search(r"drained$", log, re.M) and "drain timeout" not in log, log[-3000:]
     for i, req in enumerate(reqs):
         assert results[i] == want[i], f"request {i} ({req.via})"
-    # no stream, once started, waited over STALL_S for its next event; and no first token
-    # waited anywhere near a reservation lease (30 s: what a request stuck on the drained
-    # node would wait), though on a loaded machine 64 queued prefills take seconds
-    streams = [stalls[i][0] for i, r in enumerate(reqs) if "stream" in r.via]
-    longest, first = max(s.longest for s in streams), max(s.first for s in streams)
-    print(f"longest wait between a stream's events {longest:.2f} s, for a first token "
-          f"{first:.2f} s")
-    assert longest < STALL_S, f"a stream stalled {longest:.1f} s"
-    assert first < FIRST_TOKEN_S, f"a stream waited {first:.1f} s for its first token"
+    check_stream_waits(reqs, [s[0] for s in stalls])
     # the drained node left routing; nothing was counted as a node failure of it
     assert drained["name"] not in inflight()
     failures = re.findall(r'^pdserve_router_node_failures_total\{role="decode"\} (\S+)$',

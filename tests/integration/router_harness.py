@@ -102,6 +102,22 @@ class Stall:
         self.last = now
 
 
+STALL_S = 5.0            # the fault issue's bound on a stream's wait for its next event
+FIRST_TOKEN_S = 20.0     # under the 30 s lease a request stuck on a failed node would wait
+
+
+def check_stream_waits(reqs: list[Req], stalls: list[Stall]) -> None:
+    """No stream, once started, waited over STALL_S for its next event; no first token
+    waited anywhere near a reservation lease (on a loaded machine 64 queued prefills
+    still take seconds). Prints both figures."""
+    streams = [w for r, w in zip(reqs, stalls, strict=True) if "stream" in r.via]
+    longest, first = max(w.longest for w in streams), max(w.first for w in streams)
+    print(f"longest wait between a stream's events {longest:.2f} s, for a first token "
+          f"{first:.2f} s")
+    assert longest < STALL_S, f"a stream stalled {longest:.1f} s"
+    assert first < FIRST_TOKEN_S, f"a stream waited {first:.1f} s for its first token"
+
+
 async def _http(http: ClientSession, base: str, model: str, req: Req, stall: Stall):
     stream = req.via == "http-stream"
     body: dict = {"model": model, "max_tokens": req.max_tokens, "temperature": 0,
