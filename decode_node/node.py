@@ -1,4 +1,7 @@
-"""A decode node's parts, wired: engine + KvReceiver + token streams + engine loop + service."""
+"""A decode node's parts, wired: engine + KvReceiver + token streams + engine loop + service.
+
+The same wiring with role "aggregated" is an aggregated node: the service then prefills
+requests itself (decode_node/self_prefill.py) and takes no reservations."""
 
 from __future__ import annotations
 
@@ -24,12 +27,13 @@ class DecodeNode:
     def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0,
                  kv_tcp_listen: str | None = None, max_lease_s: float | None = None,
                  kv_tcp_limits: TcpLimits | None = None, tls: TlsConfig | None = None,
-                 max_grpc_pushes: int | None = None):
+                 max_grpc_pushes: int | None = None, role: str = "decode"):
         """lease_s: the default reservation lease; max_lease_s: the longest a caller may
         ask for (default lease_s: `--lease-s` is the ceiling too). kv_tcp_limits: the raw-TCP
         data plane's connection cap and timeouts. tls: the data plane speaks mutual TLS
         (the gRPC server's TLS is GrpcNodeServer's). max_grpc_pushes: PushKv streams served
-        at once (None: default_max_grpc_pushes of the engine's max_num_seqs)."""
+        at once (None: default_max_grpc_pushes of the engine's max_num_seqs). role:
+        "decode", or "aggregated" (prefills by itself; no KV data plane needed)."""
         self.engine = LLMEngine(config)
         self.fingerprint = engine_fingerprint(self.engine)
         self.receiver = KvReceiver(self.engine, lease_s, max_lease_s=max_lease_s)
@@ -39,7 +43,7 @@ class DecodeNode:
             max_grpc_pushes = default_max_grpc_pushes(config.max_num_seqs)
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
                                      node_id=node_id, model_id=Path(config.model).name,
-                                     max_grpc_pushes=max_grpc_pushes)
+                                     max_grpc_pushes=max_grpc_pushes, role=role)
         self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
         self.kv_tcp_limits = kv_tcp_limits or TcpLimits()
         self.tls = tls

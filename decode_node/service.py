@@ -12,6 +12,12 @@ nothing. The lease a caller asks for is clamped to the node's maximum. At most
 `max_grpc_pushes` PushKv streams run at once: a stream costs a handler task and buffers
 before its header proves anything, so one more is answered RESOURCE_EXHAUSTED before a
 byte of it is read (the raw-TCP data plane has its own cap, cluster/kv_transfer/limits.py).
+
+An aggregated node (role "aggregated") is this service on a node that prefills by itself:
+its Decode calls carry `self_prefill` and become a plain AddRequest on the engine (no
+reservation, no push), streamed the same way (decode_node/self_prefill.py). The two roles
+refuse each other's calls with FAILED_PRECONDITION, so a router that confused them learns
+it at once and tries another unit.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.receiver import PushHandler
 from cluster.proto_convert import fingerprint_from_proto, fingerprint_to_proto, sampling_from_proto
 from cluster.rpc_status import DECODE, PREFILL, RpcFailure
+from decode_node.self_prefill import AGGREGATED, stream_self_prefill
 from decode_node.streams import StreamTable
 from engine.commands import AbortRequest
 from engine.pd_decode import (
@@ -67,7 +74,9 @@ _RELEASE_STATUS = {
 class DecodeService(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, engine, receiver: KvReceiver, streams: StreamTable,
                  fingerprint: Fingerprint, node_id: str = "decode", model_id: str = "",
-                 max_grpc_pushes: int = MIN_GRPC_PUSHES):
+                 max_grpc_pushes: int = MIN_GRPC_PUSHES, role: str = "decode"):
+        if role not in ("decode", AGGREGATED):
+            raise ValueError(f"role must be 'decode' or {AGGREGATED!r}, got {role!r}")
         if max_grpc_pushes < 1:
             raise ValueError(f"max_grpc_pushes must be >= 1, got {max_grpc_pushes}")
         self.engine = engine
@@ -76,6 +85,7 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         self.fingerprint = fingerprint
         self.node_id = node_id
         self.model_id = model_id
+        self.role = role
         self.kv_tcp_address = ""          # the raw-TCP KV data plane, when it runs
         self.push_handler = PushHandler(receiver, fingerprint)
         receiver.on_release = self._on_release
@@ -122,6 +132,15 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        if request.self_prefill != (self.role == AGGREGATED):
+            await RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, _role_refusal(self.role),
+                             DECODE).abort(context)
+        if request.self_prefill:
+            async for event in stream_self_prefill(self.engine, self.streams, rid,
+                                                   list(request.prompt_token_ids), params,
+                                                   context):
+                yield event
+            return
         if request.HasField("prefill_fingerprint"):
             diff = self.fingerprint.mismatches(fingerprint_from_proto(request.prefill_fingerprint))
             if diff:
@@ -239,7 +258,16 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                             "blocks returned to the pool", res.request_id)
 
     async def GetNodeInfo(self, request, context):
-        return node_pb2.NodeInfo(node_id=self.node_id, role="decode", model_id=self.model_id,
+        return node_pb2.NodeInfo(node_id=self.node_id, role=self.role, model_id=self.model_id,
                                  max_model_len=self.engine.max_model_len,
                                  fingerprint=fingerprint_to_proto(self.fingerprint),
                                  kv_tcp_address=self.kv_tcp_address)
+
+
+def _role_refusal(role: str) -> str:
+    if role == AGGREGATED:
+        return ("this is an aggregated node: it prefills requests itself (self_prefill) and "
+                "takes no reservation or KV push; pair prefill nodes with a decode node")
+    return ("self_prefill refused: this is a decode-only node, it decodes only KV pushed by "
+            "a prefill node into a reservation; send self_prefill to an aggregated node "
+            "(`pdserve aggregated`)")

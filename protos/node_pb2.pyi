@@ -46,18 +46,20 @@ class MtpConfig(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., num_draft_layers: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_fingerprint", "lease_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_fingerprint", "lease_ms", "self_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    SELF_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill_fingerprint: Fingerprint
     lease_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    self_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., lease_ms: _Optional[int] = ..., self_prefill: _Optional[bool] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("reservation_id", "block_ids", "num_cached_blocks", "lease_ms", "fingerprint", "push_token")

@@ -64,6 +64,9 @@ class DecodeNodeServicer:
         Reservation. Errors: INVALID_ARGUMENT (prompt too long, bad params), RESOURCE_EXHAUSTED
         (no room), FAILED_PRECONDITION (fingerprint mismatch), ABORTED (the prefill failed or
         the push broke; the lease ran out).
+        With self_prefill (aggregated nodes only) there is no Reservation event: the node runs
+        the prompt's prefill itself and streams TokenEvents. A decode node refuses self_prefill,
+        and an aggregated node a reservation, with FAILED_PRECONDITION naming the role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

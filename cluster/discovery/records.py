@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from cluster.discovery.prefix_digest import PrefixDigest
 
-ROLES = ("prefill", "decode")
+# "aggregated": a node that prefills and decodes by itself (no KV push), routed as one unit.
+ROLES = ("prefill", "decode", "aggregated")
 
 
 def cluster_prefix(cluster: str) -> str:
@@ -53,7 +54,7 @@ def new_incarnation() -> str:
 @dataclass(frozen=True)
 class NodeRecord:
     node_id: str
-    role: str                   # "prefill" | "decode"
+    role: str                   # one of ROLES
     address: str                # host:port other nodes and routers dial
     incarnation: str
     model_id: str = ""

@@ -1,0 +1,57 @@
+"""Aggregated mode on the node side: a Decode call with `self_prefill` runs the whole
+request here.
+
+The prompt goes to the engine as a plain AddRequest (the engine's normal add_request: its
+prefill, prefix cache and scheduler as a single-node LLM uses them), with no reservation
+and no KV push. Its outputs reach the call through the same StreamTable a decode node's
+admitted requests use, so the router reads the same TokenEvents, the first token included.
+A caller that goes away aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cluster.rpc_status import RpcFailure
+from decode_node.streams import StreamTable
+from engine.commands import AbortRequest, AddRequest
+from engine.sampling_params import SamplingParams
+from protos import node_pb2
+
+AGGREGATED = "aggregated"
+
+
+async def stream_self_prefill(engine, streams: StreamTable, request_id: str,
+                              prompt: list[int], params: SamplingParams, context
+                              ) -> AsyncIterator[node_pb2.DecodeEvent]:
+    """TokenEvents of one request prefilled and decoded on this node, until its finish.
+    A prompt the engine refuses (too long for the model, a duplicate id) is
+    INVALID_ARGUMENT; an engine-side release (e.g. draining) ends the call with its status."""
+    stream = streams.open(request_id)
+    if stream is None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request id {request_id!r} is already in use")
+    finished = False
+    try:
+        try:
+            # Opened before the submit: the engine's first output cannot miss the stream.
+            await asyncio.wrap_future(engine.submit(AddRequest(request_id, prompt, params)))
+        except ValueError as exc:
+            finished = True          # never added: nothing to abort
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        while True:
+            item = await stream.queue.get()
+            if isinstance(item, RpcFailure):
+                finished = True
+                await item.abort(context)
+            yield node_pb2.DecodeEvent(tokens=item)
+            if item.finish_reason:
+                finished = True
+                return
+    finally:
+        streams.close(request_id)
+        if not finished:             # the caller went away: stop computing for it
+            engine.submit(AbortRequest(request_id))
