@@ -1,6 +1,6 @@
 """What the router's fronts need from whatever runs a request: token ids in, per-step token
-batches out. The PD backend (prefill + decode nodes over gRPC) implements it; so does a
-single in-process engine in tests of the fronts.
+batches out. The PD backend (prefill + decode pairs and aggregated nodes over gRPC)
+implements it; so does a single in-process engine in tests of the fronts.
 """
 
 from __future__ import annotations
@@ -42,5 +42,6 @@ class Backend(Protocol):
         ...
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode node can take requests."""
+        """True when the backend can serve: at least one prefill and one decode node, or
+        one aggregated node, can take requests."""
         ...

@@ -4,7 +4,8 @@ One exception type carries both mappings, so the HTTP and gRPC fronts cannot dis
 what a failure means: 400 / INVALID_ARGUMENT for bad input, 401 / UNAUTHENTICATED without a
 valid API key, 413 / RESOURCE_EXHAUSTED for a body over the size limit, 429 /
 RESOURCE_EXHAUSTED when every node is full or an API key is over its rate limit, 503 /
-UNAVAILABLE when no node can serve.
+UNAVAILABLE when no node can serve. The 429s and the 503 carry a retry delay: HTTP's
+`Retry-After` header, a `retry-after` trailer on gRPC.
 """
 
 from __future__ import annotations
@@ -65,9 +66,15 @@ class RateLimited(Overloaded):
 
 
 class NoNodeAvailable(RouterError):
+    """No unit can serve (none registered yet, all restarting, draining or refusing): the
+    client should come back, so it is told when (nodes register within seconds)."""
     http_status = 503
     grpc_code = "UNAVAILABLE"
     error_type = "service_unavailable"
+
+    def __init__(self, message: str, param: str | None = None, retry_after_s: int = 1):
+        super().__init__(message, param)
+        self.retry_after_s = retry_after_s      # the HTTP Retry-After header
 
 
 class NodeFailure(Exception):

@@ -76,6 +76,14 @@ def parse_generate(msg: api_pb2.GenerateRequest, service: RouterService) -> Pars
                          stream=True)
 
 
+async def _abort(context, err: RouterError) -> None:
+    """End the call with the error's code; a 429 / 503 also says when to come back, in a
+    `retry-after` trailer (whole seconds), as HTTP's Retry-After header does."""
+    retry = getattr(err, "retry_after_s", None)
+    trailers = (("retry-after", str(retry)),) if retry else ()
+    await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message, trailers)
+
+
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     def __init__(self, service: RouterService):
         self.service = service
@@ -85,7 +93,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             req = await asyncio.to_thread(parse_generate, request, self.service)
         except RouterError as err:
             self.service.metrics.requests.labels("grpc", str(err.http_status)).inc()
-            await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
+            await _abort(context, err)
         run = self.service.run(req, "grpc")
         events = run.events()
         try:
@@ -104,7 +112,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                         cached_prompt_tokens=r.num_cached_tokens))
                 yield resp
         except RouterError as err:
-            await context.abort(getattr(grpc.StatusCode, err.grpc_code), err.message)
+            await _abort(context, err)
         finally:
             await events.aclose()
 

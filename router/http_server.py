@@ -22,6 +22,7 @@ from aiohttp import web
 from router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED_MESSAGE, ApiKeys
 from router.errors import (
     InvalidRequest,
+    NoNodeAvailable,
     Overloaded,
     PayloadTooLarge,
     RateLimited,
@@ -46,11 +47,12 @@ log = logging.getLogger("pdserve.router")
 SERVICE_KEY: web.AppKey[RouterService] = web.AppKey("service", RouterService)
 BODY_LIMIT_KEY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 MAX_BODY_BYTES = 32 * 1024 * 1024
+NOT_READY_RETRY_S = 1           # /health's Retry-After while no unit is registered
 
 
 def error_response(err: RouterError) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(err, Unauthenticated) else None
-    if isinstance(err, Overloaded):
+    if isinstance(err, Overloaded | NoNodeAvailable):     # 429 / 503: when to come back
         headers = {"Retry-After": str(err.retry_after_s)}
     return web.json_response(err.to_openai(), status=err.http_status, headers=headers)
 
@@ -155,9 +157,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    ready = request.app[SERVICE_KEY].backend.ready()
-    return web.json_response({"status": "ok" if ready else "no nodes"},
-                             status=200 if ready else 503)
+    """200 once the router can serve (a prefill + decode pair or an aggregated node)."""
+    if request.app[SERVICE_KEY].backend.ready():
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "not ready: no prefill + decode pair and no "
+                                        "aggregated node is registered"},
+                             status=503, headers={"Retry-After": str(NOT_READY_RETRY_S)})
 
 
 async def metrics(request: web.Request) -> web.Response:

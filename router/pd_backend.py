@@ -15,6 +15,10 @@ pool and the request is replayed on another pair with the
 prompt plus every token already streamed as the new prompt and max_tokens reduced by them:
 the client's stream continues where it was, with nothing lost or repeated. (Greedy output is
 unchanged by a replay; penalties then count the streamed tokens as prompt tokens.)
+
+Aggregated nodes (router/aggregated_flow.py) are units of their own: when some are
+registered, each attempt goes to the less loaded of the best pair and the best aggregated
+node, and an aggregated attempt fails, refuses and replays through this same loop.
 """
 
 from __future__ import annotations
@@ -27,82 +31,26 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from cluster.kv_transfer.grpc_transport import open_channel
 from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
-from cluster.rpc_status import DECODE, PREFILL, RpcFailure, failure_of
+from cluster.rpc_status import DECODE, PREFILL, failure_of
 from cluster.tls import TlsConfig
 from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from router.admission import AdmissionQueue, Turn
+from router.aggregated_flow import AGGREGATED, aggregated_attempt, pick_unit
 from router.backend import NodeRequest, StepOutput
-from router.errors import InvalidRequest, NodeFailure, NoNodeAvailable, Overloaded, RouterError
+from router.errors import NodeFailure, NoNodeAvailable, Overloaded
 from router.metrics import RouterMetrics
+from router.node_calls import (  # noqa: F401 - ChannelCache: re-exported for callers
+    ChannelCache,
+    TryOther,
+    classify_failure,
+    stop_reason_from_wire,
+)
 from router.node_pool import NodePool, NodeState
 from router.policies.base import RoutingPolicy, RoutingRequest
 
 log = logging.getLogger("pdserve.router")
-
-# Codes that say the node, not the request, is the problem: drop it and replay elsewhere.
-_NODE_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.DEADLINE_EXCEEDED}
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                    ("grpc.max_send_message_length", 64 * 1024 * 1024)]
-
-
-class _TryOther(Exception):
-    """This pair cannot take the request (full, incompatible, aborted, draining); try
-    another one. The node stays in the pool."""
-
-    def __init__(self, node: NodeState, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.node_id, self.role, self.code, self.message = node.node_id, node.role, code, message
-
-
-class ChannelCache:
-    """One channel per node address. A failed node's channel is closed only once no call
-    uses it: closing a grpc.aio channel cancels every call on it, and a node that refuses
-    one request (or is draining) still serves the streams it has."""
-
-    def __init__(self, tls: TlsConfig | None = None) -> None:
-        self.tls = tls                        # mutual TLS to the nodes (cluster/tls.py)
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._users: dict[str, int] = {}
-        self._retired: set[str] = set()
-
-    def acquire(self, address: str) -> grpc.aio.Channel:
-        self._users[address] = self._users.get(address, 0) + 1
-        return self.get(address)
-
-    async def release(self, address: str) -> None:
-        self._users[address] -= 1
-        if not self._users[address]:
-            del self._users[address]
-            if address in self._retired:
-                await self.drop(address)
-
-    async def retire(self, address: str) -> None:
-        """Close the channel once its last call ends (now, when none is running)."""
-        if self._users.get(address):
-            self._retired.add(address)
-        else:
-            await self.drop(address)
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = open_channel(address, self.tls, _CHANNEL_OPTIONS)
-        return ch
-
-    async def drop(self, address: str) -> None:
-        self._retired.discard(address)
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            await ch.close(grace=None)
-
-    async def close(self) -> None:
-        for address in list(self._channels):
-            await self.drop(address)
-
 
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
@@ -126,18 +74,15 @@ class PdBackend:
         self.channels = ChannelCache(tls)
 
     def ready(self) -> bool:
-        return bool(self.pool.nodes("prefill")) and bool(self.pool.nodes("decode"))
+        """Can serve now: a prefill + decode pair, or an aggregated node, is registered
+        and not held as failed."""
+        return bool(self.pool.nodes(AGGREGATED)) or (
+            bool(self.pool.nodes("prefill")) and bool(self.pool.nodes("decode")))
 
     async def close(self) -> None:
         await self.channels.close()
 
-    # ---- node choice -------------------------------------------------------------------
-    def _pick(self, role: str, routing: RoutingRequest, exclude: set[str]) -> NodeState:
-        nodes = [n for n in self.pool.nodes(role) if n.node_id not in exclude]
-        if not nodes:
-            raise NoNodeAvailable(f"no {role} node is available")
-        return self.policy.pick(role, nodes, routing)
-
+    # ---- node failures ---------------------------------------------------------------
     async def _node_failed(self, node: NodeState, why: str, rid: str) -> None:
         log.warning("[%s] %s node %s (%s) failed: %s; dropping it", rid, node.role,
                     node.node_id, node.address, why)
@@ -148,8 +93,8 @@ class PdBackend:
     # ---- the request -------------------------------------------------------------------
     async def generate(self, request: NodeRequest) -> AsyncIterator[StepOutput]:
         streamed: list[int] = []
-        exclude: dict[str, set[str]] = {"prefill": set(), "decode": set()}
-        full: set[str] = set()           # decode nodes that said RESOURCE_EXHAUSTED
+        exclude: dict[str, set[str]] = {"prefill": set(), "decode": set(), AGGREGATED: set()}
+        full: set[str] = set()           # nodes that said RESOURCE_EXHAUSTED
         refusals: list[str] = []
         attempt = 0                      # failures and refusals other than "full"
         tries = 0                        # every call made (names the request on the nodes)
@@ -183,8 +128,9 @@ class PdBackend:
                 if turn is not None:
                     await turn.wait(queued_until, self.queue_timeout_s)
                 try:
-                    pre = self._pick("prefill", routing, exclude["prefill"])
-                    dec = self._pick("decode", routing, exclude["decode"])
+                    # pre is None when the unit is an aggregated node (dec), which
+                    # prefills itself (router/aggregated_flow.py)
+                    pre, dec = pick_unit(self.pool, self.policy, routing, exclude)
                 except NoNodeAvailable as exc:
                     if full and loop.time() < queued_until:
                         # every node that could serve is full: wait for room in the queue
@@ -192,7 +138,8 @@ class PdBackend:
                         if turn is None:
                             turn = self.admission.join(front=waited)
                             waited = True
-                        exclude["decode"] -= full
+                        for ids in exclude.values():
+                            ids -= full
                         full.clear()
                         continue
                     if full:
@@ -207,8 +154,8 @@ class PdBackend:
                         # unannounced), then try every node again
                         waited_for_node = True
                         await self.pool.wait_change(min(1.0, queued_until - loop.time()))
-                        exclude["prefill"].clear()
-                        exclude["decode"].clear()
+                        for ids in exclude.values():
+                            ids.clear()
                         continue
                     why = f"{exc.message} (waited {self.queue_timeout_s:g} s)" \
                         if waited_for_node else exc.message
@@ -216,10 +163,14 @@ class PdBackend:
                         raise NoNodeAvailable(f"{why}; last refusal: {refusals[-1]}"
                                               ) from None
                     raise NoNodeAvailable(why) from None
+                if pre is None:
+                    run = aggregated_attempt(self, dec, rid, prompt, params, request.params,
+                                             first_attempt=not streamed, on_started=reserved)
+                else:
+                    run = self._attempt(pre, dec, rid, prompt, params, request.params,
+                                        first_attempt=not streamed, on_reserved=reserved)
                 try:
-                    async with contextlib.aclosing(self._attempt(
-                            pre, dec, rid, prompt, params, request.params,
-                            first_attempt=not streamed, on_reserved=reserved)) as steps:
+                    async with contextlib.aclosing(run) as steps:
                         async for step in steps:
                             streamed.extend(step.token_ids)
                             yield step
@@ -227,10 +178,10 @@ class PdBackend:
                                 return
                     raise NodeFailure(dec.node_id, "the token stream ended without a finish")
                 except NodeFailure as f:
-                    node = pre if f.node_id == pre.node_id else dec
+                    node = pre if pre is not None and f.node_id == pre.node_id else dec
                     await self._node_failed(node, str(f), rid)
                     self.metrics.replays.inc()
-                except _TryOther as t:
+                except TryOther as t:
                     role = t.role
                     exclude[role].add(t.node_id)
                     refusals.append(f"{t.node_id}: {t.message}")
@@ -244,7 +195,7 @@ class PdBackend:
                     raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
                                           f"{refusals[-1] if refusals else 'node failure'}")
                 if streamed:
-                    log.info("[%s] replaying with %d streamed tokens on another pair", rid,
+                    log.info("[%s] replaying with %d streamed tokens on another unit", rid,
                              len(streamed))
         finally:
             if turn is not None:
@@ -310,7 +261,7 @@ class PdBackend:
                 t = event.tokens
                 finish = finish_from_proto(t.finish_reason)
                 if finish == "abort":
-                    raise _TryOther(dec, grpc.StatusCode.ABORTED,
+                    raise TryOther(dec, grpc.StatusCode.ABORTED,
                                     t.stop_reason or "the decode node aborted the request")
                 cached = max(prefill_cached,
                              t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
@@ -318,7 +269,7 @@ class PdBackend:
                     list(t.token_ids),
                     logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
                     finish_reason=finish,
-                    stop_reason=_stop_reason(t.stop_reason, params) if finish else None,
+                    stop_reason=stop_reason_from_wire(t.stop_reason, params) if finish else None,
                     num_cached_tokens=cached if first_attempt else 0,
                     meta={"prefill": pre.node_id, "decode": dec.node_id})
                 if finish is not None:
@@ -340,15 +291,6 @@ class PdBackend:
             self.admission.wake()            # this request's room is free again
 
 
-def _stop_reason(value: str, params: SamplingParams) -> int | str | None:
-    """The wire carries a string; a stop token id goes back to an int (as LLM gives it)."""
-    if not value:
-        return None
-    if value not in params.stop and value.isdigit():
-        return int(value)
-    return value
-
-
 def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
     """A finished Prefill call: fine, or the reason this attempt ends."""
     if task.cancelled():
@@ -359,7 +301,7 @@ def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
     if not isinstance(exc, grpc.aio.AioRpcError):
         raise NodeFailure(pre.node_id, f"prefill call failed: {exc!r}")
     failure = failure_of(exc, PREFILL)
-    raise _classify(failure, dec if failure.side == DECODE else pre)
+    raise classify_failure(failure, dec if failure.side == DECODE else pre)
 
 
 async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
@@ -376,24 +318,4 @@ async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.
                 await asyncio.wait({prefill}, timeout=5.0)
             if prefill.done():
                 _check_prefill(prefill, pre, dec)
-        raise _classify(failure, pre if failure.side == PREFILL else dec) from None
-
-
-def _classify(failure: RpcFailure, node: NodeState) -> Exception:
-    code, message = failure.code, failure.message
-    if failure.replay:               # the node is fine but will not run this request
-        return _TryOther(node, code, message)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(message)
-    # PERMISSION_DENIED: e.g. a prefill node whose discovery view does not (yet) hold the
-    # decode node. INTERNAL / UNKNOWN: a call or push broken inside gRPC or a node (seen:
-    # a push into a decode node as it drained). Another pair may well serve, and the
-    # client should get its tokens, not a 500; attempts stay bounded by max_attempts.
-    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INTERNAL,
-                grpc.StatusCode.UNKNOWN):
-        return _TryOther(node, code, message)
-    if code in _NODE_DOWN:
-        return NodeFailure(node.node_id, f"{code.name}: {message}")
-    return RouterError(f"{node.role} node {node.node_id} failed: {code.name}: {message}")
+        raise classify_failure(failure, pre if failure.side == PREFILL else dec) from None
