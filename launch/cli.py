@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, str] = {
     "router": "launch.commands.router",
     "prefill": "launch.commands.prefill",
     "decode": "launch.commands.decode",
+    "aggregated": "launch.commands.aggregated",
     "generate": "launch.commands.generate",
     "offline": "launch.commands.offline",
     "certs": "launch.commands.certs",

@@ -4,9 +4,10 @@ The image runs `pdserve ROLE ...` as PID 1, so this reads that command line
 (/proc/1/cmdline), parses it with the pdserve CLI's own parser (the same env variables apply,
 since a health check inherits the container's environment) and probes what that role serves:
 
-- router: HTTP GET /health on --http (200 = it knows at least one prefill and one decode node);
-- prefill / decode: grpc.health.v1 Check("") on --listen (SERVING = loaded, registered and
-  not draining);
+- router: HTTP GET /health on --http (200 = it knows at least one prefill and one decode
+  node, or one aggregated node);
+- prefill / decode / aggregated: grpc.health.v1 Check("") on --listen (SERVING = loaded,
+  registered and not draining);
 - up: the local launcher's router, HTTP /health on --http-port;
 - anything else (models prepare, generate, offline): nothing to probe, healthy.
 
@@ -70,7 +71,7 @@ def target_for(args: argparse.Namespace) -> HealthTarget:
     role = args.command
     if role == "router":
         return HealthTarget("http", probe_address(args.http), role)
-    if role in ("prefill", "decode"):
+    if role in ("prefill", "decode", "aggregated"):
         from launch.cli_common import tls_from_args
         return HealthTarget("grpc", probe_address(args.listen), role, tls_from_args(args))
     if role == "up":

@@ -1,5 +1,6 @@
-"""A whole cluster on loopback as child processes: etcd, N prefill nodes, M decode nodes and
-one router. Used by `pdserve up` and by the integration tests.
+"""A whole cluster on loopback as child processes: etcd, N prefill nodes, M decode nodes, K
+aggregated nodes (prefill and decode on one node; `pdserve up --aggregated`) and one router.
+Used by `pdserve up` and by the integration tests.
 
 Children get their own session (process group), so a Ctrl-C reaches only the launcher, which
 then stops them in order: the router first (no new requests), then the nodes (SIGTERM drains
@@ -37,7 +38,8 @@ class Child:
     log_path: Path
     ready_file: Path | None = None
     proc: subprocess.Popen | None = None
-    role: str = ""                  # nodes: "prefill" | "decode" (what a restart rebuilds)
+    role: str = ""                  # nodes: prefill | decode | aggregated (what a restart
+                                    # rebuilds)
 
     def start(self, env: dict, append: bool = False) -> Child:
         # a restarted node appends, so its log keeps what the last life said before dying
@@ -81,6 +83,7 @@ class LocalClusterConfig:
     model: str
     num_prefill: int = 1
     num_decode: int = 1
+    num_aggregated: int = 0         # nodes that prefill and decode by themselves
     http_port: int = 8000
     grpc_port: int = 50051
     cluster: str = "local"
@@ -88,6 +91,7 @@ class LocalClusterConfig:
     node_args: list[str] = field(default_factory=list)     # extra engine flags for nodes
     prefill_args: list[str] = field(default_factory=list)  # ... for prefill nodes only
     decode_args: list[str] = field(default_factory=list)   # ... for decode nodes only
+    aggregated_args: list[str] = field(default_factory=list)   # ... for aggregated nodes only
     router_args: list[str] = field(default_factory=list)
     lease_ttl: int = 3
     run_dir: Path | None = None
@@ -103,8 +107,14 @@ class LocalCluster:
 
         from launch.etcd_server import EtcdServer
 
-        if config.num_prefill < 1 or config.num_decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode node")
+        if min(config.num_prefill, config.num_decode, config.num_aggregated) < 0:
+            raise ValueError("node counts cannot be negative")
+        if (config.num_prefill > 0) != (config.num_decode > 0):
+            raise ValueError("prefill and decode nodes only serve in pairs: start at least "
+                             "one of each, or neither")
+        if config.num_decode < 1 and config.num_aggregated < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode node, or "
+                             "one aggregated node")
         self.config = config
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,9 +168,11 @@ class LocalCluster:
                          self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id",
                          name, "--lease-ttl", str(self.config.lease_ttl), "--ready-file",
                          str(ready), "--model", self.config.model, *self.tls_flags(name),
-                         *self.config.node_args,
-                         *(self.config.decode_args if role == "decode"
-                           else self.config.prefill_args))
+                         *self.config.node_args, *self._role_args(role))
+
+    def _role_args(self, role: str) -> list[str]:
+        return {"prefill": self.config.prefill_args, "decode": self.config.decode_args,
+                "aggregated": self.config.aggregated_args}[role]
 
     def add_node(self, role: str, index: int | None = None) -> Child:
         index = index if index is not None else sum(1 for n in self.nodes
@@ -213,7 +225,8 @@ class LocalCluster:
             time.sleep(0.1)
 
     def wait_healthy(self, http_url: str, timeout: float) -> None:
-        """The router's /health turns 200 once it knows a prefill and a decode node."""
+        """The router's /health turns 200 once it can serve: it knows a prefill and a
+        decode node, or an aggregated node."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -235,6 +248,8 @@ class LocalCluster:
                 self.add_node("prefill")
             for _ in range(c.num_decode):
                 self.add_node("decode")
+            for _ in range(c.num_aggregated):
+                self.add_node("aggregated")
             self.router = self.add_router(c.http_port, c.grpc_port)
             self.wait_ready(self.nodes + [self.router], timeout)
             addresses = json.loads(self.router.ready())

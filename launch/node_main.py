@@ -1,4 +1,5 @@
-"""`pdserve prefill|decode`: build the node, serve gRPC, register, drain on SIGTERM."""
+"""`pdserve prefill|decode|aggregated`: build the node, serve gRPC, register, drain on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
         raise CliError(str(exc)) from None
     tls = tls_from_args(args)
     try:
+        if role == "aggregated":
+            # the decode node's wiring, prefilling by itself: no reservations, no data plane
+            from decode_node.node import DecodeNode
+            return DecodeNode(config, node_id=node_id, tls=tls, role="aggregated")
         if role == "decode":
             from cluster.kv_transfer.limits import TcpLimits
             from decode_node.node import DecodeNode

