@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterator
 from pathlib import PurePosixPath
 
+# the node subcommands a manifest may run: every discovery role is one
+from cluster.discovery.records import ROLES as NODE_ROLES
 from tests.deploy.manifests import SAMPLE_POD_IP, ContainerView, find, one
 
 WILDCARD = ("0.0.0.0", "::", "[::]", "")
@@ -216,7 +218,7 @@ def check_node(c: ContainerView, args: argparse.Namespace) -> list[str]:
         if (device == dev) != (resource in limits):
             problems.append(f"{c.where}: --device {args.device} but limits "
                             f"{resource}={limits.get(resource)}")
-    if role not in ("prefill", "decode"):
+    if role not in NODE_ROLES:
         problems.append(f"{c.where}: unexpected node role {role}")
     return problems
 
@@ -295,7 +297,7 @@ def runtime_config_problems(c: ContainerView, args: argparse.Namespace) -> list[
     """What the command builds from its flags before serving (the same validation a pod
     would hit at start): EngineConfig for nodes, RouterConfig for the router."""
     try:
-        if args.command in ("prefill", "decode") and args.model is not None:
+        if args.command in NODE_ROLES and args.model is not None:
             from launch.commands.node_options import engine_config_from_args
 
             engine_config_from_args(args)
@@ -319,9 +321,9 @@ def check_container(c: ContainerView, objects: list[dict]) -> tuple[argparse.Nam
     problems: list[str] = runtime_config_problems(c, args)
     if args.command == "router":
         problems += check_router(c, args)
-    elif args.command in ("prefill", "decode"):
+    elif args.command in NODE_ROLES:
         problems += check_node(c, args)
-    if args.command in ("router", "prefill", "decode"):
+    if args.command in ("router", *NODE_ROLES):
         problems += check_etcd(c, args, objects) + check_secrets(c)
         if args.model is None:
             problems.append(f"{c.where}: no --model/PDSERVE_MODEL (it would try to convert "

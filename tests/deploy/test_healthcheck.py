@@ -40,6 +40,8 @@ def test_targets_follow_the_cli_flags_and_env(monkeypatch):
     assert target_from_argv(["router", "--http", "0.0.0.0:8080"]) == HealthTarget(
         "http", "127.0.0.1:8080", "router")
     assert target_from_argv(["prefill"]) == HealthTarget("grpc", "127.0.0.1:50061", "prefill")
+    assert target_from_argv(["aggregated"]) == HealthTarget("grpc", "127.0.0.1:50081",
+                                                            "aggregated")
     monkeypatch.setenv("PDSERVE_LISTEN", "0.0.0.0:6000")   # env-backed flags count too
     assert target_from_argv(["decode"]) == HealthTarget("grpc", "127.0.0.1:6000", "decode")
     assert target_from_argv(["up", "--http-port", "9000"]).address == "127.0.0.1:9000"

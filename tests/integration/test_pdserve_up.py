@@ -142,3 +142,54 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
     assert proc.returncode == 0, rest
     assert "stopped." in rest
     assert _processes_mentioning(run_dir) == []
+
+
+def test_pdserve_up_aggregated_starts_one_aggregated_node_and_waits_for_health(tmp_path):
+    """`pdserve up --aggregated`: etcd, one aggregated node and the router, no prefill or
+    decode node; the banner comes only once the router's /health is 200, so the first
+    request after it is served."""
+    from engine import LLM
+
+    folder = tiny_model_folder(tmp_path / "models")
+    http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PDSERVE_API_KEY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "up", "--aggregated", "--model", str(folder),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--dtype",
+         "float32", "--max-num-seqs", "4", "--insecure"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        out = "".join(lines)
+        assert "pdserve is up: 1 aggregated node(s)" in out, out
+        assert "prefill" not in out.split("pdserve is up:")[1].splitlines()[0]
+        run_dir = Path(re.search(r"logs:\s+(\S+)", out).group(1))
+        assert sorted(p.name for p in run_dir.glob("*.ready")) == ["aggregated-0.ready",
+                                                                  "router.ready"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as r:
+            assert r.status == 200
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+                "temperature": 0}
+        req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            answer = json.loads(resp.read())
+        want = reference(LLM(folder, dtype="float32"), Req("http", body["prompt"], 8))
+        assert answer["choices"][0]["text"] == want[1]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, rest
+    assert "stopped." in rest
+    assert _processes_mentioning(str(run_dir)) == []
