@@ -14,6 +14,9 @@ attention backend.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 BLOCK_DIM = 1     # the block axis of a layer's cache tensor
@@ -25,8 +28,8 @@ class KVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeroed(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -41,6 +44,21 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU it lies in an anonymous mapping, whose pages the kernel maps to
+    its shared zero page until first written: a 2 GB cache costs memory only as blocks are
+    used (torch.zeros writes every page at start, so the whole cache was resident from
+    the first second). Zeros, not garbage, because masked attention still multiplies the
+    unused slots of a gathered block by zero weights, and 0 * NaN is NaN."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # the tensor keeps the mapping alive (frombuffer holds the buffer it views)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
