@@ -31,6 +31,7 @@ from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from router.backend import StepOutput
 from router.errors import NodeFailure, NoNodeAvailable
+from router.metrics import PhaseClock
 from router.node_calls import TryOther, classify_failure, stop_reason_from_wire
 from router.node_pool import NodePool, NodeState
 from router.policies.base import RoutingPolicy, RoutingRequest
@@ -76,6 +77,7 @@ async def aggregated_attempt(backend, node: NodeState, rid: str, prompt: list[in
         request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
         self_prefill=True))
     node.inflight += 1
+    phases = PhaseClock(backend.metrics.phase)
     read: asyncio.Future | None = None
     log.info("[%s] aggregated %s (%d prompt tokens)", rid, node.node_id, len(prompt))
     if on_started is not None:
@@ -102,6 +104,7 @@ async def aggregated_attempt(backend, node: NodeState, rid: str, prompt: list[in
             if finish == "abort":
                 raise TryOther(node, grpc.StatusCode.ABORTED,
                                t.stop_reason or "the aggregated node aborted the request")
+            phases.end(AGGREGATED)
             cached = t.usage.cached_prompt_tokens if t.HasField("usage") else 0
             yield StepOutput(
                 list(t.token_ids),

@@ -7,6 +7,8 @@ load is read from the node pool at scrape time, so departed nodes disappear from
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -45,6 +47,25 @@ class _NodeLoadCollector(Collector):
         yield from fams.values()
 
 
+class PhaseClock:
+    """The phases of one attempt on a unit, in order: `end(phase)` observes the time since
+    the previous phase ended (or the attempt began), once per phase; later calls for a
+    phase already ended do nothing (a Prefill reply that lands after the first token)."""
+
+    def __init__(self, histogram: Histogram):
+        self._histogram = histogram
+        self._last = time.monotonic()
+        self._ended: set[str] = set()
+
+    def end(self, phase: str) -> None:
+        if phase in self._ended:
+            return
+        now = time.monotonic()
+        self._ended.add(phase)
+        self._histogram.labels(phase).observe(now - self._last)
+        self._last = now
+
+
 class RouterMetrics:
     def __init__(self, pool: NodePool):
         self.registry = CollectorRegistry()
@@ -55,6 +76,15 @@ class RouterMetrics:
         self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
                              "Time between consecutive token batches of a request",
                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        # where a request's time to first token goes, measured at the router: queue (arrival
+        # -> a unit picked, admission waits included), reserve (Decode call -> Reservation),
+        # prefill (Reservation -> Prefill's reply: the prefill node's queue, its forward and
+        # the KV push), first_token (Prefill's reply -> the first token: admission on the
+        # decode node and its first step), aggregated (the call -> the first token on an
+        # aggregated node); docs/PERFORMANCE.md reads them under load (bench/serve.py)
+        self.phase = Histogram("pdserve_router_request_phase_seconds",
+                               "Time of each phase before a request's first token",
+                               ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_router_requests",
                                 "Finished requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)

@@ -40,7 +40,7 @@ from router.admission import AdmissionQueue, Turn
 from router.aggregated_flow import AGGREGATED, aggregated_attempt, pick_unit
 from router.backend import NodeRequest, StepOutput
 from router.errors import NodeFailure, NoNodeAvailable, Overloaded
-from router.metrics import RouterMetrics
+from router.metrics import PhaseClock, RouterMetrics
 from router.node_calls import (  # noqa: F401 - ChannelCache: re-exported for callers
     ChannelCache,
     TryOther,
@@ -99,7 +99,8 @@ class PdBackend:
         attempt = 0                      # failures and refusals other than "full"
         tries = 0                        # every call made (names the request on the nodes)
         loop = asyncio.get_running_loop()
-        queued_until = loop.time() + self.queue_timeout_s
+        arrived = loop.time()
+        queued_until = arrived + self.queue_timeout_s
         turn: Turn | None = None         # this request's place while it waits for room
         waited = False
         waited_for_node = False
@@ -131,6 +132,8 @@ class PdBackend:
                     # pre is None when the unit is an aggregated node (dec), which
                     # prefills itself (router/aggregated_flow.py)
                     pre, dec = pick_unit(self.pool, self.policy, routing, exclude)
+                    if tries == 1:
+                        self.metrics.phase.labels("queue").observe(loop.time() - arrived)
                 except NoNodeAvailable as exc:
                     if full and loop.time() < queued_until:
                         # every node that could serve is full: wait for room in the queue
@@ -220,6 +223,7 @@ class PdBackend:
         prefill_cached = 0
         log.info("[%s] prefill %s -> decode %s (%d prompt tokens)", rid, pre.node_id,
                  dec.node_id, len(prompt))
+        phases = PhaseClock(self.metrics.phase)
         try:
             read = asyncio.ensure_future(call.read())
             while True:
@@ -236,6 +240,7 @@ class PdBackend:
                 if prefill is not None and prefill_open and prefill in done:
                     prefill_open = False
                     pre.inflight -= 1
+                    phases.end("prefill")
                     _check_prefill(prefill, pre, dec)
                     prefill_cached = prefill.result().prefix_cached_tokens
                 if read not in done:
@@ -246,6 +251,7 @@ class PdBackend:
                 read = asyncio.ensure_future(call.read())
                 if event.HasField("reservation"):
                     r = event.reservation
+                    phases.end("reserve")
                     if on_reserved is not None:
                         on_reserved()
                     prefill = asyncio.ensure_future(prefill_stub.Prefill(node_pb2.PrefillRequest(
@@ -263,6 +269,8 @@ class PdBackend:
                 if finish == "abort":
                     raise TryOther(dec, grpc.StatusCode.ABORTED,
                                     t.stop_reason or "the decode node aborted the request")
+                phases.end("prefill")      # no-op once its reply came; else it ends here
+                phases.end("first_token")
                 cached = max(prefill_cached,
                              t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
                 yield StepOutput(
