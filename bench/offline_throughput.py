@@ -3,7 +3,7 @@ in one process, on the same weights and the same requests; ratios are measured i
 run, so they hold even when other processes share the CPUs.
 
     .venv/bin/python bench/offline_throughput.py [--quick] [--model DIR] [--dtype bfloat16]
-        [--workloads mixed,uniform] [--models smollm2,random100m] [--hf-batch 16]
+        [--workloads mixed,uniform,short] [--models smollm2,random100m] [--hf-batch 16]
         [--json out.json]
     .venv/bin/python bench/offline_throughput.py --peer vllm [--rounds 2]   # vs vLLM CPU
 
@@ -14,6 +14,8 @@ Workloads (random token ids from a fixed seed, greedy, ignore_eos):
            sorted by prompt length and cut into batches of --hf-batch (16): little left
            padding; each batch generates to the longest output among its members, and only
            the tokens each request asked for count as useful output.
+  short    48 requests, prompts 16-320, outputs 8-96: mixed's rules on short sequences,
+           where per-step host cost shows.
   uniform  32 requests with 128-token prompts and 128 output tokens: one batch for HF, so
            no padding waste; greedy tokens of both are compared (count of identical ones;
            bf16 can differ slightly, so this reports and never fails).
@@ -64,8 +66,10 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
 
 FULL = {"mixed": (64, (32, 512), (32, 256)), "uniform": (32, 128, 128),
+        "short": (48, (16, 320), (8, 96)),
         "decode": (32, 16, 64), "builder": (256, 200)}
 QUICK = {"mixed": (8, (16, 64), (8, 32)), "uniform": (8, 32, 16),
+         "short": (8, (8, 32), (4, 12)),
          "decode": (32, 8, 8), "builder": (256, 50)}
 
 
@@ -211,12 +215,14 @@ def bench_model(name: str, folder: Path, args, sizes: dict) -> dict:
                                          cfg.vocab_size, seed=1),
         "uniform": lambda: random_requests(sizes["uniform"][0], (sizes["uniform"][1],) * 2,
                                            (sizes["uniform"][2],) * 2, cfg.vocab_size, seed=2),
+        "short": lambda: random_requests(sizes["short"][0], *sizes["short"][1:],
+                                         cfg.vocab_size, seed=5),
     }
     for wl in args.workloads:
         reqs = workloads[wl]()
         useful = sum(r.max_tokens for r in reqs)
         ours_tok, ours_s, ours_stats = run_ours(llm, reqs, f"{name}/{wl} ours")
-        hf_bs = args.hf_batch if wl == "mixed" else len(reqs)
+        hf_bs = len(reqs) if wl == "uniform" else args.hf_batch
         hf_tok, hf_s, hf_computed = hf.generate(reqs, hf_bs, f"{name}/{wl} HF")
         bad = [i for i, (t, r) in enumerate(zip(ours_tok, reqs, strict=True))
                if len(t) != r.max_tokens]
@@ -293,7 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help="benchmark this HF folder instead of --models")
     ap.add_argument("--models", default=None, help="comma list: smollm2,random100m")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    ap.add_argument("--workloads", default="mixed,uniform")
+    ap.add_argument("--workloads", default="mixed,uniform,short")
     ap.add_argument("--hf-batch", type=int, default=16, help="HF batch size for mixed")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--peer", choices=["vllm"], help="against vLLM's CPU backend instead of "
@@ -303,12 +309,12 @@ def main(argv=None) -> int:
     if args.peer:
         from bench import versus_vllm
 
-        wls = args.workloads if "--workloads" in (argv or sys.argv) else "mixed,uniform,short"
+        wls = args.workloads
         folder = args.model or str(model_folder("smollm2", args, Path(".")))
         return versus_vllm.main(folder, args.dtype, [w for w in wls.split(",") if w],
                                 args.rounds, args.json, quick=args.quick)
     args.workloads = [w for w in args.workloads.split(",") if w]
-    if bad := set(args.workloads) - {"mixed", "uniform"}:
+    if bad := set(args.workloads) - {"mixed", "uniform", "short"}:
         ap.error(f"unknown workloads: {sorted(bad)}")
     sizes = QUICK if args.quick else FULL
     if args.model:
