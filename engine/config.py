@@ -21,6 +21,7 @@ class EngineConfig:
     min_decoding_batch_size: int = 0    # pad decode batches up to this (graph buckets)
     attention_backend: str = "sdpa"
     seed: int = 0
+    cpu_threads: int | None = None      # torch threads on a CPU device; None: one per core
     # graph-replayed decode (engine/executor/graph.py)
     enable_graph: bool = False
     graph_max_batch_size: int | None = None     # larger decode batches run eagerly;
@@ -61,6 +62,9 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 2,
              f"max_model_len must be >= 2, got {self.max_model_len}")
         need(self.min_decoding_batch_size >= 0, "min_decoding_batch_size must be >= 0")
+        need(self.cpu_threads is None or (isinstance(self.cpu_threads, int)
+                                          and self.cpu_threads >= 1),
+             f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         self._validate_graph_options(need)
         need(self.speculative_method in (None, "mtp"),
              f"speculative_method must be None or 'mtp', got {self.speculative_method!r}")

@@ -86,11 +86,16 @@ class DeviceCaptureLock:
 class Device:
     """Streams, events and graphs of one accelerator (or the CPU)."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, cpu_threads: int | None = None):
+        """cpu_threads: torch's intra-op threads on a CPU device (process-wide; None keeps
+        torch's default, one per core). Two engines sharing a machine's cores (a prefill
+        and a decode node on one host) each spin OpenMP threads on all of them otherwise."""
         self.torch_device = torch.device(spec)
         if self.torch_device.type == "cpu":
             from engine.host_allocator import keep_large_allocations_in_heap
             keep_large_allocations_in_heap()
+            if cpu_threads:
+                torch.set_num_threads(cpu_threads)
         self.type = self.torch_device.type
         if self.type == "npu":
             import torch_npu  # noqa: F401  (registers torch.npu)

@@ -60,7 +60,7 @@ class LLMEngine:
         """connector: a factory `connector(engine)` for an object that takes part in each
         step (engine/pd_prefill.py's KvPushConnector), or None."""
         self.config = config
-        self.device = Device(config.device)
+        self.device = Device(config.device, config.cpu_threads)
         from engine.models.model_config import ModelConfig
         mcfg = ModelConfig.from_folder(config.model)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, self.device)

@@ -56,6 +56,9 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
     env_flag(eng, "--no-prefix-caching", "PDSERVE_NO_PREFIX_CACHING",
              help="disable the prefix cache")
     env_argument(eng, "--seed", "PDSERVE_SEED", default=0, type=int)
+    env_argument(eng, "--cpu-threads", "PDSERVE_CPU_THREADS", default=0, type=int, metavar="N",
+                 help="torch threads on a CPU device (0: one per core; give nodes that "
+                      "share a machine's cores a share each)")
     env_flag(eng, "--batch-invariant", "PDSERVE_BATCH_INVARIANT",
              help="a request's tokens do not depend on what runs beside it (bf16 greedy "
                   "reproducible under load; cpu only, slower prefill)")
@@ -102,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        cpu_threads=args.cpu_threads or None,
                         batch_invariant=args.batch_invariant,
                         enable_graph=args.enable_graph,
                         graph_max_batch_size=args.graph_max_batch_size,

@@ -39,8 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda[:i] | npu[:i] (every node)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                        "float16"])
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=0.25)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    # a CPU cache is resident only as it is used (engine/kv_cache.py): room for 64 requests
+    # of ~700 tokens (SmolLM2, float32) costs nothing until they come
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
+                   help="torch threads per node on a CPU device (0: one per core)")
     p.add_argument("--enable-graph", action="store_true",
                    help="decode and aggregated nodes replay captured graphs for decode "
                         "batches")
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             http_port=args.http_port, grpc_port=args.grpc_port, policy=args.policy,
             node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
                        str(args.max_num_seqs), "--kv-cache-memory-gb",
-                       str(args.kv_cache_memory_gb)],
+                       str(args.kv_cache_memory_gb), "--cpu-threads", str(args.cpu_threads)],
             prefill_args=speculative_args(args),
             decode_args=speculative_args(args) + (
                 ["--enable-graph"] if args.enable_graph else []),
