@@ -56,5 +56,15 @@ $(PEER)/.installed:
 
 bench-peer: $(PEER)/.installed
 
+# Served: pdserve up (PD, PD+MTP, PD+graphs, aggregated) and vllm serve on the same model,
+# each loaded by `vllm bench serve` from $(PEER) (bench/serve.py; docs/PERFORMANCE.md
+# "Served"). About 40 minutes on 2 cores (--dry-run estimates); SERVE_ARGS=--quick: minutes.
+# Tables in bench/results/serve-<timestamp>/serve.md, plots beside them.
+.PHONY: bench-serve
+SERVE_ARGS ?=
+bench-serve: $(STAMP) $(PEER)/.installed
+	$(BIN)/python -m engine.layers.cpu_extension
+	$(BIN)/python -m bench.serve $(SERVE_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

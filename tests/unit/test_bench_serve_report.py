@@ -1,0 +1,111 @@
+"""bench/serve.py's pure parts: rows out of `vllm bench serve` result files, the best vLLM
+setup per shape, the pdserve / vLLM ratios, the tables, the plots and the run plan. The
+result files are those of a real `bench/serve.py --quick` run (per-request latency lists
+dropped)."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import serve_report as report
+from bench.serve import all_shapes, plan
+
+DATA = json.loads((Path(__file__).parent / "data" / "vllm_bench_serve_quick.json").read_text())
+SHAPES = {name: {"name": name, "input_len": 64, "output_len": 32, "concurrency": c,
+                 "rate": None, "num_prompts": 8} for name, c in (("c1", 1), ("c4", 4))}
+
+
+def quick_rows() -> list[dict]:
+    return [report.result_row(system, SHAPES[shape], DATA[system][shape])
+            for system in ("pd", "aggregated", "vllm-default", "vllm-2t")
+            for shape in ("c1", "c4")]
+
+
+def test_result_row_takes_vllms_fields():
+    row = report.result_row("pd", SHAPES["c4"], DATA["pd"]["c4"])
+    assert row["completed"] == 8 and row["failed"] == 0 and row["num_prompts"] == 8
+    assert row["concurrency"] == 4 and row["rate"] is None
+    assert row["output_tok_s"] == pytest.approx(38.5517, abs=1e-3)
+    assert row["ttft_p50_ms"] == pytest.approx(843.7416, abs=1e-3)
+    assert row["ttft_p99_ms"] == pytest.approx(947.5483, abs=1e-3)
+    assert row["itl_p99_ms"] == pytest.approx(133.2423, abs=1e-3)
+    assert row["tpot_p50_ms"] == pytest.approx(77.2537, abs=1e-3)
+    assert row["e2el_p99_ms"] == pytest.approx(3335.3518, abs=1e-3)
+
+
+def test_best_vllm_is_the_faster_setup_per_shape():
+    best = report.best_vllm(quick_rows())
+    assert {shape: r["system"] for shape, r in best.items()} == {
+        "c1": "vllm-default", "c4": "vllm-default"}
+    # a vLLM setup that failed at a shape is never the reference there
+    rows = [r if (r["system"], r["shape"]) != ("vllm-default", "c4")
+            else report.error_row("vllm-default", SHAPES["c4"], "server did not start")
+            for r in quick_rows()]
+    assert report.best_vllm(rows)["c4"]["system"] == "vllm-2t"
+
+
+def test_ratios_against_the_best_vllm():
+    by = {(r["system"], r["shape"]): r for r in report.ratios(quick_rows())}
+    assert set(by) == {("pd", "c1"), ("pd", "c4"), ("aggregated", "c1"), ("aggregated", "c4")}
+    pd4 = by[("pd", "c4")]
+    assert pd4["vllm"] == "vllm-default"
+    assert pd4["tok_s_ratio"] == pytest.approx(38.5517 / 45.2021, rel=1e-4)
+    assert pd4["ttft_p99_ratio"] == pytest.approx(947.5483 / 859.5785, rel=1e-4)
+    assert pd4["itl_p99_ratio"] == pytest.approx(133.2423 / 83.9726, rel=1e-4)
+
+
+def test_failed_pdserve_rows_get_no_ratio_but_stay_in_the_table():
+    rows = quick_rows()
+    rows[0] = report.error_row("pd", SHAPES["c1"], "load generator exited early")
+    assert ("pd", "c1") not in {(r["system"], r["shape"]) for r in report.ratios(rows)}
+    table = report.rows_table(rows)
+    assert "| pd | c1 | 64/32 | c=1 | - |" in table
+    assert "8 (load generator exited early)" in table
+    assert "| pd | c4 | 64/32 | c=4 | 38.6 | 844 / 948 | 77.3 / 79.4 | 76.9 / 133 |" in table
+
+
+def test_ratio_table_and_pinned_summary():
+    text = report.ratios_table(report.ratios(quick_rows()))
+    assert "| pd | c4 | c=4 | vllm-default | 38.6 / 45.2 | 0.85x | 1.10x | 1.59x |" in text
+    long_shape = {**SHAPES["c4"], "name": "long"}
+    rows = [report.result_row(s, long_shape, DATA[d]["c4"])
+            for s, d in (("pd-pinned", "pd"), ("pd", "aggregated"), ("vllm-2t", "vllm-2t"))]
+    assert report.pinned_summary(rows) == ("ITL p99 under `long`: pd-pinned 133 ms, "
+                                           "pd (unpinned) 262 ms, vllm-2t 258 ms")
+    assert report.pinned_summary(quick_rows()) is None
+
+
+def test_plots_are_written(tmp_path):
+    paths = report.plot(quick_rows(), tmp_path)
+    assert [p.name for p in paths] == ["throughput_vs_ttft_p99.png",
+                                       "throughput_vs_itl_p99.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _args(**kw):
+    base = {"systems": None, "shapes": None, "quick": False, "pin": False}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_plan_expands_vllm_and_pin_adds_the_long_shape():
+    work = {s.name: [sh.name for sh in shapes] for s, shapes in plan(_args(
+        systems="pd,vllm", shapes="c1,c4", pin=True))}
+    assert work == {"pd": ["c1", "c4", "long"], "vllm-default": ["c1", "c4", "long"],
+                    "vllm-2t": ["c1", "c4", "long"], "pd-pinned": ["long"]}
+    quick = {s.name: [sh.name for sh in shapes] for s, shapes in plan(_args(quick=True))}
+    assert quick == {n: ["c1", "c4"] for n in ("pd", "aggregated", "vllm-default", "vllm-2t")}
+    with pytest.raises(SystemExit):
+        plan(_args(systems="sglang"))
+
+
+def test_default_shapes_scale_prompts_with_concurrency():
+    shapes = all_shapes(quick=False)
+    assert [(s.concurrency, s.num_prompts) for s in
+            (shapes["c1"], shapes["c4"], shapes["c16"], shapes["c64"])] == [
+        (1, 4), (4, 8), (16, 32), (64, 64)]
+    assert (shapes["long"].input_len, shapes["long"].concurrency) == (1024, 16)
+    assert (shapes["r4"].rate, shapes["r4"].num_prompts) == (4.0, 16)
+    assert shapes["r4"].concurrency is None
