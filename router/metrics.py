@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cluster.discovery.records import ROLES
 from router.node_pool import NodePool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,6 +46,13 @@ class _NodeLoadCollector(Collector):
             for attr, fam in fams.items():
                 fam.add_metric([node.node_id, node.role], float(getattr(node, attr)))
         yield from fams.values()
+        # what the router can route to now: registered and not held as failed
+        ready = GaugeMetricFamily("pdserve_router_ready_nodes",
+                                  "Nodes of each role this router can route to now",
+                                  labels=["role"])
+        for role in ROLES:
+            ready.add_metric([role], float(len(self.pool.nodes(role))))
+        yield ready
 
 
 class PhaseClock:
@@ -85,6 +93,19 @@ class RouterMetrics:
         self.phase = Histogram("pdserve_router_request_phase_seconds",
                                "Time of each phase before a request's first token",
                                ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds",
+                             "Arrival to the last token of requests that succeeded",
+                             ["endpoint"], buckets=_LATENCY_BUCKETS + (60.0, 120.0),
+                             registry=r)
+        self.finished = Counter("pdserve_router_finished_requests",
+                                "Choices that succeeded, by finish reason (stop, length, ...)",
+                                ["finish_reason"], registry=r)
+        # one attempt on a unit that did not give the request its tokens: which side
+        # (role) and why: node_down (dropped, the request replayed elsewhere) or the
+        # refusal's gRPC code (resource_exhausted, failed_precondition, ...: another unit)
+        self.attempt_failures = Counter("pdserve_router_attempt_failures",
+                                        "Attempts that failed, by the failing role and reason",
+                                        ["role", "reason"], registry=r)
         self.requests = Counter("pdserve_router_requests",
                                 "Finished requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)

@@ -184,9 +184,11 @@ class PdBackend:
                     node = pre if pre is not None and f.node_id == pre.node_id else dec
                     await self._node_failed(node, str(f), rid)
                     self.metrics.replays.inc()
+                    self.metrics.attempt_failures.labels(node.role, "node_down").inc()
                 except TryOther as t:
                     role = t.role
                     exclude[role].add(t.node_id)
+                    self.metrics.attempt_failures.labels(role, t.code.name.lower()).inc()
                     refusals.append(f"{t.node_id}: {t.message}")
                     log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
                              t.node_id, t.code.name, t.message)

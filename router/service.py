@@ -87,9 +87,13 @@ class RequestRun:
             log.exception("[%s] internal error", self.req.request_id)
             raise
         finally:
-            self.service.metrics.requests.labels(self.endpoint, status).inc()
+            m = self.service.metrics
+            m.requests.labels(self.endpoint, status).inc()
             if status == "ok":
                 r = self.results
+                m.e2e.labels(self.endpoint).observe(time.monotonic() - self.arrival)
+                for x in r:
+                    m.finished.labels(x.finish_reason or "unknown").inc()
                 log.info("[%s] done: %d tokens, finish %s, %.3f s", self.req.request_id,
                          sum(len(x.token_ids) for x in r), [x.finish_reason for x in r],
                          time.monotonic() - self.arrival)
