@@ -5,7 +5,10 @@ Other threads never touch the engine's state: they submit commands
 between steps and runs a step while there is work (`engine.run_once`). Every output
 leaves through one outbox, `outbox(outputs)`, called on this thread (it must only hand
 them on, e.g. to an event loop). After work, the heap memory the steps freed goes back to
-the OS (cluster/heap_trim.py).
+the OS (cluster/heap_trim.py). An `observer` (the node's metrics snapshot,
+cluster/node_metrics.py) runs on this thread after each pass, before the outputs leave, so
+what it reads of the engine is never read from another thread and already counts the
+tokens a client receives.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ IDLE_WAIT_S = 0.5     # a command or stop wakes the loop at once; this is only a
 
 class EngineLoop:
     def __init__(self, engine, outbox: Callable[[list], None] | None = None,
-                 name: str = "engine", trimmer: HeapTrimmer | None = None):
+                 name: str = "engine", trimmer: HeapTrimmer | None = None,
+                 observer: Callable[[], None] | None = None):
         """trimmer: gives freed heap memory back to the OS after work (cluster/heap_trim.py;
-        default: glibc's malloc_trim unless PDSERVE_HEAP_TRIM=0)."""
+        default: glibc's malloc_trim unless PDSERVE_HEAP_TRIM=0). observer: called on this
+        thread after every pass (and when idle, every IDLE_WAIT_S)."""
         self.engine = engine
         self.outbox = outbox
+        self.observer = observer
         self.trimmer = trimmer if trimmer is not None else default_trimmer()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -58,6 +64,7 @@ class EngineLoop:
                 log.exception("engine step failed; aborting the batch")
                 self.error = exc
                 outputs = eng.abort_all()
+            self._observe()
             if outputs and self.outbox is not None:
                 self.outbox(outputs)
             idle = not eng.has_work()
@@ -66,5 +73,14 @@ class EngineLoop:
                 self._wake.wait(IDLE_WAIT_S)
         # what was submitted before the stop still happens (blocks freed, aborts applied)
         outputs = eng.settle()
+        self._observe()
         if outputs and self.outbox is not None:
             self.outbox(outputs)
+
+    def _observe(self) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer()
+        except Exception:  # noqa: BLE001 - metrics must never stop the engine
+            log.exception("engine loop observer failed")

@@ -10,6 +10,7 @@ from pathlib import Path
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.limits import TcpLimits
+from cluster.node_metrics import NodeMetrics
 from cluster.tls import TlsConfig
 from decode_node.service import DecodeService, default_max_grpc_pushes
 from decode_node.streams import StreamTable
@@ -38,12 +39,17 @@ class DecodeNode:
         self.fingerprint = engine_fingerprint(self.engine)
         self.receiver = KvReceiver(self.engine, lease_s, max_lease_s=max_lease_s)
         self.streams = StreamTable()
-        self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode")
+        # an aggregated node takes no reservations: no reservation metrics
+        self.metrics = NodeMetrics(role, node_id, self.engine,
+                                   receiver=self.receiver if role == "decode" else None)
+        self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode",
+                               observer=self.metrics.observer)
         if max_grpc_pushes is None:
             max_grpc_pushes = default_max_grpc_pushes(config.max_num_seqs)
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
                                      node_id=node_id, model_id=Path(config.model).name,
-                                     max_grpc_pushes=max_grpc_pushes, role=role)
+                                     max_grpc_pushes=max_grpc_pushes, role=role,
+                                     metrics=self.metrics)
         self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
         self.kv_tcp_limits = kv_tcp_limits or TcpLimits()
         self.tls = tls

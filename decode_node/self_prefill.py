@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster.request_timing import RequestTimer
 from cluster.rpc_status import RpcFailure
 from decode_node.streams import StreamTable
 from engine.commands import AbortRequest, AddRequest
@@ -25,7 +26,8 @@ AGGREGATED = "aggregated"
 
 
 async def stream_self_prefill(engine, streams: StreamTable, request_id: str,
-                              prompt: list[int], params: SamplingParams, context
+                              prompt: list[int], params: SamplingParams, context,
+                              timer: RequestTimer | None = None
                               ) -> AsyncIterator[node_pb2.DecodeEvent]:
     """TokenEvents of one request prefilled and decoded on this node, until its finish.
     A prompt the engine refuses (too long for the model, a duplicate id) is
@@ -35,10 +37,12 @@ async def stream_self_prefill(engine, streams: StreamTable, request_id: str,
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request id {request_id!r} is already in use")
     finished = False
+    timer = timer or RequestTimer(None)
     try:
         try:
             # Opened before the submit: the engine's first output cannot miss the stream.
-            await asyncio.wrap_future(engine.submit(AddRequest(request_id, prompt, params)))
+            timer.seq = await asyncio.wrap_future(
+                engine.submit(AddRequest(request_id, prompt, params)))
         except ValueError as exc:
             finished = True          # never added: nothing to abort
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -47,6 +51,9 @@ async def stream_self_prefill(engine, streams: StreamTable, request_id: str,
             if isinstance(item, RpcFailure):
                 finished = True
                 await item.abort(context)
+            timer.tokens(len(item.token_ids), self_prefilled=True)
+            if item.finish_reason:
+                timer.finished(item.finish_reason)
             yield node_pb2.DecodeEvent(tokens=item)
             if item.finish_reason:
                 finished = True

@@ -31,7 +31,9 @@ import grpc
 
 from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.receiver import PushHandler
+from cluster.node_metrics import NodeMetrics
 from cluster.proto_convert import fingerprint_from_proto, fingerprint_to_proto, sampling_from_proto
+from cluster.request_timing import RequestTimer
 from cluster.rpc_status import DECODE, PREFILL, RpcFailure
 from decode_node.self_prefill import AGGREGATED, stream_self_prefill
 from decode_node.streams import StreamTable
@@ -74,7 +76,9 @@ _RELEASE_STATUS = {
 class DecodeService(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, engine, receiver: KvReceiver, streams: StreamTable,
                  fingerprint: Fingerprint, node_id: str = "decode", model_id: str = "",
-                 max_grpc_pushes: int = MIN_GRPC_PUSHES, role: str = "decode"):
+                 max_grpc_pushes: int = MIN_GRPC_PUSHES, role: str = "decode",
+                 metrics: NodeMetrics | None = None):
+        """metrics: the node's per-request metrics (None: not observed)."""
         if role not in ("decode", AGGREGATED):
             raise ValueError(f"role must be 'decode' or {AGGREGATED!r}, got {role!r}")
         if max_grpc_pushes < 1:
@@ -86,6 +90,7 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         self.node_id = node_id
         self.model_id = model_id
         self.role = role
+        self.metrics = metrics
         self.kv_tcp_address = ""          # the raw-TCP KV data plane, when it runs
         self.push_handler = PushHandler(receiver, fingerprint)
         receiver.on_release = self._on_release
@@ -122,6 +127,7 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
 
     # ---- Decode: reserve, then stream tokens ---------------------------------------
     async def Decode(self, request: node_pb2.ReserveRequest, context):
+        timer = RequestTimer(self.metrics)
         if self.draining:
             await RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING, DECODE, True).abort(context)
         rid = request.request_id or uuid.uuid4().hex
@@ -138,7 +144,7 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         if request.self_prefill:
             async for event in stream_self_prefill(self.engine, self.streams, rid,
                                                    list(request.prompt_token_ids), params,
-                                                   context):
+                                                   context, timer):
                 yield event
             return
         if request.HasField("prefill_fingerprint"):
@@ -181,6 +187,9 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                 if isinstance(item, RpcFailure):
                     finished = True      # the reservation is already released
                     await item.abort(context)
+                timer.tokens(len(item.token_ids), self_prefilled=False)
+                if item.finish_reason:
+                    timer.finished(item.finish_reason)
                 yield node_pb2.DecodeEvent(tokens=item)
                 if item.finish_reason:
                     finished = True

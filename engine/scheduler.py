@@ -10,6 +10,7 @@ allow. Prefill and decode sequences share one batch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ class Scheduler:
         """A sequence whose prompt KV is already in its blocks (a PD push) joins the
         running batch with its first token; its stop conditions apply at once."""
         seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled is None:
+            seq.first_scheduled = time.monotonic()
         self.running.append(seq)
         self.check_stop(seq, eos_token_ids)
 
@@ -127,6 +130,8 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)

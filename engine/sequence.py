@@ -26,6 +26,9 @@ class Sequence:
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.params = params
         self.arrival = arrival
+        # time.monotonic() when the scheduler first gave it a running slot (None until
+        # then): a node's metrics split queue time from prefill time at this point
+        self.first_scheduled: float | None = None
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.block_table: list[int] = []

@@ -127,6 +127,7 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
         raise CliError(str(exc)) from None
     address = advertised(args.listen, port, args.advertise)
     node.start(advertise_host=address.rpartition(":")[0])
+    metrics = start_metrics(node, args)
     record = NodeRecord(node_id=node_id, role=role, address=address,
                         incarnation=new_incarnation(), model_id=node.service.model_id,
                         max_model_len=node.engine.max_model_len,
@@ -153,14 +154,40 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
     await asyncio.sleep(left_at + LEAVE_GRACE_S - asyncio.get_running_loop().time())
     await server.stop(grace=1.0)
     await node.stop()
+    if metrics is not None:
+        metrics.stop()
     log.info("%s node %s stopped", role, node_id)
     return 0
+
+
+def metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """--metrics-listen as (host, port), None when off; a bad value is a CliError."""
+    from cluster.metrics_server import metrics_listen
+
+    try:
+        return metrics_listen(args.metrics_listen)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def start_metrics(node, args: argparse.Namespace):
+    """The node's /metrics server (cluster/metrics_server.py), or None when off."""
+    listen = metrics_address(args)
+    if listen is None:
+        return None
+    from cluster.metrics_server import MetricsServer
+
+    try:
+        return MetricsServer(node.metrics.registry, *listen)
+    except OSError as exc:
+        raise CliError(str(exc)) from None
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
     from cluster.node_server import default_node_id
 
     node_id = args.node_id or default_node_id(role)
+    metrics_address(args)            # a bad --metrics-listen fails before the model loads
     load_kernels(args.device)
     node = build_node(role, args, node_id)
     return asyncio.run(serve(role, node, args, node_id))

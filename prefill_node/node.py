@@ -9,6 +9,7 @@ from pathlib import Path
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport
+from cluster.node_metrics import NodeMetrics
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
 from engine.pd_fingerprint import engine_fingerprint
@@ -31,10 +32,12 @@ class PrefillNode:
         self._gate_start: asyncio.Task | None = None
         self.fingerprint = engine_fingerprint(self.engine)
         self.transport = transport
-        self.loop = EngineLoop(self.engine, name="prefill")
+        self.metrics = NodeMetrics("prefill", node_id, self.engine)
+        self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer)
         self.service = PrefillService(self.engine, transport, self.fingerprint,
                                       node_id=node_id, model_id=Path(config.model).name,
-                                      chunk_bytes=chunk_bytes, decode_gate=self.decode_gate)
+                                      chunk_bytes=chunk_bytes, decode_gate=self.decode_gate,
+                                      metrics=self.metrics)
 
     def start(self, advertise_host: str | None = None) -> None:
         """Call from the event loop that serves the service."""

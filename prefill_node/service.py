@@ -14,17 +14,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 
 import grpc
 
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport, PushFailed
 from cluster.kv_transfer.sender import PushSender
+from cluster.node_metrics import NodeMetrics
 from cluster.proto_convert import (
     fingerprint_from_proto,
     fingerprint_to_proto,
     logprob_to_proto,
     sampling_from_proto,
 )
+from cluster.request_timing import RequestTimer
 from cluster.rpc_status import DECODE, PREFILL, RpcFailure
 from engine.commands import AbortRequest
 from engine.pd_fingerprint import Fingerprint
@@ -38,8 +41,11 @@ log = logging.getLogger("prefill_node")
 class PrefillService(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, engine, transport: KvTransport, fingerprint: Fingerprint,
                  node_id: str = "prefill", model_id: str = "",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None,
+                 metrics: NodeMetrics | None = None):
+        """metrics: the node's request and KV push metrics (None: not observed)."""
         self.engine = engine
+        self.metrics = metrics
         self.decode_gate = decode_gate or OpenDecodeGate()
         self.transport = transport
         self.fingerprint = fingerprint
@@ -55,6 +61,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
 
     async def Prefill(self, request: node_pb2.PrefillRequest, context):
         rid = request.request_id
+        timer = RequestTimer(self.metrics)
         if request.decode_address and not await self.decode_gate.admits(
                 request.decode_address):
             # refused before any dial, the abort notice included: the address is not ours
@@ -103,10 +110,14 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         except ValueError as exc:
             await self._notify_decode(request, str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        timer.seq = seq
         self.inflight[rid] = sender
+        peer = request.decode_address
         try:
             await self.transport.push(request.decode_address, sender.messages())
         except PushFailed as exc:
+            self._push_failed(peer, "prefill_error" if sender.error is not None
+                              else exc.code.name.lower())
             self._abort_engine(rid)
             if sender.error is not None:
                 msg = f"prefill failed: {sender.error}"
@@ -117,16 +128,23 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                              f"push of request {rid}: {exc.message}", exc.side).abort(context)
         except (OSError, RuntimeError, ValueError) as exc:    # a transport bug or a lost socket
             log.exception("request %s: KV push failed", rid)
+            self._push_failed(peer, "transport_error")
             self._abort_engine(rid)
             await self._notify_decode(request, f"KV push failed: {exc}")
             await RpcFailure(grpc.StatusCode.UNAVAILABLE, f"KV push of request {rid} to "
                              f"{request.decode_address} failed: {exc}", DECODE).abort(context)
         except asyncio.CancelledError:       # the router went away
+            self._push_failed(peer, "cancelled")
             self._abort_engine(rid)
             await self._notify_decode(request, "prefill cancelled by its caller")
             raise
         finally:
             self.inflight.pop(rid, None)
+        if self.metrics is not None:      # the push's own time: first layer -> the reply
+            began = sender.first_layer_at
+            self.metrics.pushed(peer, sender.num_bytes,
+                                time.monotonic() - began if began is not None else 0.0)
+        timer.prefilled()
         reply = node_pb2.PrefillReply(first_token_id=sender.first_token,
                                       num_pushed_blocks=len(sender.blocks_pushed),
                                       pushed_bytes=sender.num_bytes,
@@ -154,6 +172,10 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
             return (f"num_cached_blocks {request.num_cached_blocks} exceeds the "
                     f"{len(request.block_ids)} block ids")
         return None
+
+    def _push_failed(self, peer: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.push_failed(peer, reason)
 
     def _abort_engine(self, request_id: str) -> None:
         self.engine.submit(AbortRequest(request_id))

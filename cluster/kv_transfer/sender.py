@@ -5,6 +5,7 @@ is written, then `done` with the first sampled token."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -76,6 +77,9 @@ class PushSender:
         self.num_chunks = 0
         self.num_bytes = 0
         self.blocks_pushed: set[int] = set()
+        # time.monotonic() when the first layer's KV was ready to send (None: none was):
+        # where the push's own time starts (before it, the request queued or computed)
+        self.first_layer_at: float | None = None
         self.token_ready = asyncio.Event()
         self.keepalive_s = keepalive_interval(lease_ms)
 
@@ -109,6 +113,8 @@ class PushSender:
                 yield node_pb2.KvPushMessage(keepalive=node_pb2.PushKeepalive())
                 continue
             if isinstance(event, LayerReady):
+                if self.first_layer_at is None:
+                    self.first_layer_at = time.monotonic()
                 if event.ready is not None:
                     await asyncio.to_thread(event.ready.synchronize)
                 for meta, part in layer_chunk_parts(event.layer, event.dst_block_ids, event.k,

@@ -35,6 +35,9 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
                  metavar="S", help="on SIGTERM, how long in-flight requests may take")
     env_argument(net, "--ready-file", "PDSERVE_READY_FILE", default=None, metavar="PATH",
                  help="write the advertised address here once serving (for launchers)")
+    env_argument(net, "--metrics-listen", "PDSERVE_METRICS_LISTEN", default="none",
+                 metavar="HOST:PORT", help="serve Prometheus GET /metrics over plain HTTP on "
+                 "this address (port 0: any free port, logged; none: off)")
     add_etcd_access_arguments(p)
     add_tls_arguments(p)
 
