@@ -210,6 +210,7 @@ def check_node(c: ContainerView, args: argparse.Namespace) -> list[str]:
     if args.node_id is None or not args.node_id.startswith(c.workload["metadata"]["name"]):
         problems.append(f"{c.where}: --node-id {args.node_id!r} is not the pod name")
     problems += _check_grace(c, args.drain_timeout, "--drain-timeout")
+    problems += _check_node_metrics(c, args)
     if role == "decode":
         problems += _check_kv_tcp(c, args)
     device = args.device.split(":")[0]
@@ -220,6 +221,31 @@ def check_node(c: ContainerView, args: argparse.Namespace) -> list[str]:
                             f"{resource}={limits.get(resource)}")
     if role not in NODE_ROLES:
         problems.append(f"{c.where}: unexpected node role {role}")
+    return problems
+
+
+def node_metrics_port(args: argparse.Namespace) -> int | None:
+    """The port of a node's /metrics listener (--metrics-listen); None when it is off."""
+    value = str(args.metrics_listen).strip().lower()
+    if value in ("", "none", "off"):
+        return None
+    return split_address(args.metrics_listen)[1]
+
+
+def _check_node_metrics(c: ContainerView, args: argparse.Namespace) -> list[str]:
+    """A node whose pod asks to be scraped serves /metrics on the annotated port, on a
+    containerPort other pods can reach."""
+    scrape = c.pod.get("metadata", {}).get("annotations", {})
+    wanted = scrape.get("prometheus.io/scrape") == "true"
+    port = node_metrics_port(args)
+    if port is None:
+        return [f"{c.where}: prometheus.io/scrape is true but --metrics-listen is off"
+                ] if wanted else []
+    problems = _check_listen(c, "--metrics-listen", args.metrics_listen)
+    if wanted and (scrape.get("prometheus.io/port") != str(port)
+                   or scrape.get("prometheus.io/path") != "/metrics"):
+        problems.append(f"{c.where}: the prometheus.io annotations ({scrape}) do not name "
+                        f"the --metrics-listen port {port} and /metrics")
     return problems
 
 

@@ -2,7 +2,8 @@
 argv and environment (ConfigMaps, downward API) exactly as rendered, run as processes on
 loopback (only the addresses are mapped: pod IP and ports -> 127.0.0.1 and free ports; etcd
 -> a real etcd started here; /models -> the prepared default model). Then the image's
-HEALTHCHECK module reports each one healthy, a completion goes through the router, and
+HEALTHCHECK module reports each one healthy, a completion goes through the router, each
+node's /metrics (where its pod's prometheus.io annotations point) counts its prompt, and
 SIGTERM (what Kubernetes sends after preStop) drains and exits 0 well within the pods'
 terminationGracePeriodSeconds."""
 
@@ -19,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from launch import healthcheck
 from launch.etcd_server import EtcdServer, free_port
@@ -86,7 +88,8 @@ class Launched:
 def test_cpu_dev_commands_serve_a_request_and_drain(rendered, default_model_dir, tmp_path):
     objects = rendered["cpu-dev"]
     by_role = {c.argv[1]: c for c in pdserve_containers(objects) if c.argv[1] in ROLES}
-    ports = {p: free_port() for c in by_role.values() for p in c.container_ports()}
+    # per role: prefill and decode pods both serve /metrics on 9300, on one host here
+    ports = {role: {p: free_port() for p in c.container_ports()} for role, c in by_role.items()}
     etcd = EtcdServer(tmp_path / "etcd").start()
     launched: dict[str, Launched] = {}
     envs: dict[str, dict[str, str]] = {}
@@ -95,7 +98,8 @@ def test_cpu_dev_commands_serve_a_request_and_drain(rendered, default_model_dir,
             c = by_role[role]
             env = {**c.env, "PDSERVE_ETCD": etcd.endpoint, "PDSERVE_MODEL": str(default_model_dir)}
             envs[role] = {k: v for k, v in env.items() if k.startswith("PDSERVE_")}
-            launched[role] = Launched(role, _map_addresses(c.argv, ports), env, tmp_path)
+            launched[role] = Launched(role, _map_addresses(c.argv, ports[role]), env,
+                                      tmp_path)
         for role in ROLES:
             launched[role].wait_ready(timeout=180)
 
@@ -115,6 +119,16 @@ def test_cpu_dev_commands_serve_a_request_and_drain(rendered, default_model_dir,
             answer = json.loads(reply.read())
         assert answer["usage"]["completion_tokens"] == 4
         assert answer["choices"][0]["text"]
+        # each node serves /metrics where its pod's prometheus.io annotations say
+        for role in ("prefill", "decode"):
+            annotations = by_role[role].pod["metadata"]["annotations"]
+            port = ports[role][int(annotations["prometheus.io/port"])]
+            url = f"http://127.0.0.1:{port}{annotations['prometheus.io/path']}"
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                families = text_string_to_metric_families(reply.read().decode())
+                prompt = {s.labels["role"]: s.value for f in families for s in f.samples
+                          if s.name == "pdserve_prompt_tokens_total"}
+            assert prompt[role] == answer["usage"]["prompt_tokens"], (role, prompt)
 
         for role in ("decode", "prefill", "router"):
             grace = by_role[role].spec["terminationGracePeriodSeconds"]
