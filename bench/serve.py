@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench import serve_phases as phases
 from bench import serve_report as report
 from bench.serve_systems import PEER_PYTHON, ROOT, Server, Settings, System, all_systems
 
@@ -189,6 +190,7 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                                           "argv": client_argv(sh, system, server.url, s, results,
                                                               first=i == 0)}
                                          for i, sh in enumerate(shapes)], indent=1))
+        scraped = None          # the router's phase histogram at the start of a shape
         with open(logs / f"{system.name}-client.log", "w") as log:
             client = subprocess.Popen([str(PEER_PYTHON), str(ROOT / "bench" / "serve_client.py"),
                                        str(runs_file)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -202,6 +204,8 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                 label = f"{system.name} {sh.name} ({sh.input_len}/{sh.output_len}, " \
                         f"{report.load_label(d)}, {sh.num_prompts} prompts)"
                 if word == "@@start":
+                    if system.kind == "pdserve":
+                        scraped = phases.scrape(server.url)
                     progress.runs += 1
                     print(progress.line(label + " ..."), flush=True)
                     continue
@@ -209,6 +213,8 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                 if word == "@@done":
                     path = results / f"{system.name}__{sh.name}.json"
                     row = report.result_row(system.name, d, json.loads(path.read_text()))
+                    if system.kind == "pdserve":
+                        row["phases_ms"] = phases.mean_ms(scraped, phases.scrape(server.url))
                     rows[int(index)] = row
                     print(f"   {row['output_tok_s']:.1f} tok/s, TTFT p99 "
                           f"{report.ms(row['ttft_p99_ms'])} ms, ITL p99 "
@@ -236,6 +242,11 @@ def write_outputs(out: Path, meta: dict, rows: list[dict], infos: dict) -> str:
     if ratio_rows:
         text += ["pdserve / best vLLM setup at each shape (tok/s: > 1 is faster; TTFT and "
                  "ITL p99: < 1 is faster):", "", report.ratios_table(ratio_rows), ""]
+    phase_text = phases.phases_table(rows)
+    if phase_text:
+        text += ["pdserve: mean time of each phase before the first token, from the router's "
+                 "pdserve_router_request_phase_seconds over each shape (bench/serve_phases.py):",
+                 "", phase_text, ""]
     pinned = report.pinned_summary(rows)
     if pinned:
         text += [pinned, ""]
