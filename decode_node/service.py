@@ -29,6 +29,7 @@ from concurrent.futures import Future
 
 import grpc
 
+from cluster import tracing
 from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.receiver import PushHandler
 from cluster.node_metrics import NodeMetrics
@@ -127,10 +128,11 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
 
     # ---- Decode: reserve, then stream tokens ---------------------------------------
     async def Decode(self, request: node_pb2.ReserveRequest, context):
-        timer = RequestTimer(self.metrics)
         if self.draining:
             await RpcFailure(grpc.StatusCode.UNAVAILABLE, DRAINING, DECODE, True).abort(context)
         rid = request.request_id or uuid.uuid4().hex
+        timer = RequestTimer(self.metrics, f"{self.role}_node.Decode", tracing.incoming(context),
+                             rid)
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt_token_ids is empty: at least one token is required")

@@ -121,3 +121,25 @@ def etcd_access_from_args(args: argparse.Namespace):
                           user=args.etcd_user, password=args.etcd_password)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def add_tracing_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """OpenTelemetry tracing (cluster/tracing.py), for the router and every node."""
+    env_argument(parser, "--otel-exporter", "PDSERVE_OTEL_EXPORTER", default="none",
+                 choices=["none", "console", "otlp"],
+                 help="export a trace per request (spans of routing, reservation, prefill, "
+                      "KV push, admission, decode, streaming): console (stdout) or otlp "
+                      "(OTLP/gRPC); needs pip install 'pdserve[tracing]'")
+    env_argument(parser, "--otel-endpoint", "PDSERVE_OTEL_ENDPOINT", default=None,
+                 metavar="URL", help="the OTLP collector (default: OpenTelemetry's "
+                 "OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317)")
+
+
+def configure_tracing(args: argparse.Namespace, service: str) -> None:
+    """Start exporting spans as --otel-exporter says; CliError when it cannot."""
+    from cluster import tracing
+
+    try:
+        tracing.configure(service, args.otel_exporter, args.otel_endpoint)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None

@@ -7,7 +7,12 @@ import argparse
 import asyncio
 import logging
 
-from launch.cli_common import CliError, etcd_access_from_args, tls_from_args
+from launch.cli_common import (
+    CliError,
+    configure_tracing,
+    etcd_access_from_args,
+    tls_from_args,
+)
 
 # A draining node keeps its listener this long after leaving discovery (refusing new work
 # with the replay hint): a router whose watch has not yet delivered the deregistration may
@@ -188,6 +193,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
 
     node_id = args.node_id or default_node_id(role)
     metrics_address(args)            # a bad --metrics-listen fails before the model loads
+    configure_tracing(args, f"pdserve-{role}")
     load_kernels(args.device)
     node = build_node(role, args, node_id)
     return asyncio.run(serve(role, node, args, node_id))

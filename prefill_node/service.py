@@ -18,6 +18,7 @@ import time
 
 import grpc
 
+from cluster import tracing
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport, PushFailed
 from cluster.kv_transfer.sender import PushSender
 from cluster.node_metrics import NodeMetrics
@@ -61,7 +62,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
 
     async def Prefill(self, request: node_pb2.PrefillRequest, context):
         rid = request.request_id
-        timer = RequestTimer(self.metrics)
+        timer = RequestTimer(self.metrics, "prefill_node.Prefill", tracing.incoming(context),
+                             rid)
         if request.decode_address and not await self.decode_gate.admits(
                 request.decode_address):
             # refused before any dial, the abort notice included: the address is not ours
@@ -144,7 +146,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
             began = sender.first_layer_at
             self.metrics.pushed(peer, sender.num_bytes,
                                 time.monotonic() - began if began is not None else 0.0)
-        timer.prefilled()
+        timer.prefilled(push_started=sender.first_layer_at)
         reply = node_pb2.PrefillReply(first_token_id=sender.first_token,
                                       num_pushed_blocks=len(sender.blocks_pushed),
                                       pushed_bytes=sender.num_bytes,

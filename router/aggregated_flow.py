@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster import tracing
 from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from cluster.rpc_status import DECODE, failure_of
 from engine.sampling_params import SamplingParams
@@ -75,7 +76,7 @@ async def aggregated_attempt(backend, node: NodeState, rid: str, prompt: list[in
     stub = node_pb2_grpc.DecodeNodeStub(backend.channels.acquire(node.address))
     call = stub.Decode(node_pb2.ReserveRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params),
-        self_prefill=True))
+        self_prefill=True), metadata=tracing.outgoing())
     node.inflight += 1
     phases = PhaseClock(backend.metrics.phase)
     read: asyncio.Future | None = None

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from cluster import tracing
 from cluster.discovery.records import ROLES
 from router.node_pool import NodePool
 
@@ -58,7 +59,8 @@ class _NodeLoadCollector(Collector):
 class PhaseClock:
     """The phases of one attempt on a unit, in order: `end(phase)` observes the time since
     the previous phase ended (or the attempt began), once per phase; later calls for a
-    phase already ended do nothing (a Prefill reply that lands after the first token)."""
+    phase already ended do nothing (a Prefill reply that lands after the first token).
+    With tracing on, each phase is also a span of the request (cluster/tracing.py)."""
 
     def __init__(self, histogram: Histogram):
         self._histogram = histogram
@@ -71,6 +73,7 @@ class PhaseClock:
         now = time.monotonic()
         self._ended.add(phase)
         self._histogram.labels(phase).observe(now - self._last)
+        tracing.phase(phase, self._last, now)          # a span, when tracing is on
         self._last = now
 
 

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster import tracing
 from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from cluster.rpc_status import DECODE, PREFILL, failure_of
 from cluster.tls import TlsConfig
@@ -213,7 +214,8 @@ class PdBackend:
         prefill_stub = node_pb2_grpc.PrefillNodeStub(self.channels.acquire(pre.address))
         sampling = sampling_to_proto(params)
         call = decode_stub.Decode(node_pb2.ReserveRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=self.lease_ms))
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=self.lease_ms),
+            metadata=tracing.outgoing())
         prefill: asyncio.Task | None = None
         read: asyncio.Future | None = None
         # discovery dropping the prefill node (hung: its lease ran out; or drained) ends a
@@ -264,7 +266,7 @@ class PdBackend:
                         # the reservation's secret: to the chosen prefill node only
                         push_token=r.push_token,
                         # the granted lease (a node may cap the ask): keepalives fit in it
-                        lease_ms=r.lease_ms)))
+                        lease_ms=r.lease_ms), metadata=tracing.outgoing()))
                     continue
                 t = event.tokens
                 finish = finish_from_proto(t.finish_reason)

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from cluster import tracing
 from engine.tokenizer import Tokenizer
 from router.backend import Backend, NodeRequest
 from router.errors import RouterError
@@ -37,12 +38,15 @@ class RequestRun:
         self.results = [RequestResult() for _ in req.prompts]
         self.arrival = time.monotonic()
         self._last_token: list[float | None] = [None] * len(req.prompts)
+        self._first_token: float | None = None
 
     def _on_tokens(self, index: int, n: int) -> None:
         m, now = self.service.metrics, time.monotonic()
         last = self._last_token[index]
         if last is None:
             m.ttft.labels(self.endpoint).observe(now - self.arrival)
+            if self._first_token is None:
+                self._first_token = now
         else:
             m.itl.labels(self.endpoint).observe(now - last)
         self._last_token[index] = now
@@ -59,6 +63,9 @@ class RequestRun:
 
     async def events(self) -> AsyncIterator[tuple[int, Delta]]:
         status = "ok"
+        # with tracing on: this request's span, current for the node calls it makes
+        trace = tracing.begin_request({"pdserve.request_id": self.req.internal_id,
+                                       "pdserve.endpoint": self.endpoint})
         # The one line that ties the client's id to the internal one the node logs use.
         log.info("[%s] %s: %d prompt(s), %s prompt tokens, internal id %s", self.req.request_id,
                  self.endpoint, len(self.req.prompts), [len(p) for p in self.req.prompts],
@@ -89,6 +96,8 @@ class RequestRun:
         finally:
             m = self.service.metrics
             m.requests.labels(self.endpoint, status).inc()
+            if trace is not None:
+                self._end_trace(trace, status)
             if status == "ok":
                 r = self.results
                 m.e2e.labels(self.endpoint).observe(time.monotonic() - self.arrival)
@@ -97,6 +106,14 @@ class RequestRun:
                 log.info("[%s] done: %d tokens, finish %s, %.3f s", self.req.request_id,
                          sum(len(x.token_ids) for x in r), [x.finish_reason for x in r],
                          time.monotonic() - self.arrival)
+
+    def _end_trace(self, trace: tracing.RequestTrace, status: str) -> None:
+        ends = [t for t in self._last_token if t is not None]
+        if self._first_token is not None:
+            tracing.record("router.stream", trace.span, self._first_token, max(ends))
+        tracing.end_span(trace.span, attributes={
+            "pdserve.status": status,
+            "pdserve.output_tokens": sum(len(x.token_ids) for x in self.results)})
 
     async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
         """Several prompts run concurrently; their deltas interleave as they come."""

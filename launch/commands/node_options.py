@@ -7,6 +7,7 @@ import argparse
 from launch.cli_common import (
     add_etcd_access_arguments,
     add_tls_arguments,
+    add_tracing_arguments,
     env_argument,
     env_flag,
 )
@@ -40,6 +41,7 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
                  "this address (port 0: any free port, logged; none: off)")
     add_etcd_access_arguments(p)
     add_tls_arguments(p)
+    add_tracing_arguments(p.add_argument_group("tracing"))
 
     eng = p.add_argument_group("engine")
     env_argument(eng, "--model", "PDSERVE_MODEL", default=None, metavar="DIR",

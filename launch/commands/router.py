@@ -11,6 +11,7 @@ from launch.cli_common import (
     CliError,
     add_etcd_access_arguments,
     add_tls_arguments,
+    add_tracing_arguments,
     env_argument,
     env_bool_argument,
     env_flag,
@@ -77,12 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="the private key of --public-tls-cert")
     add_etcd_access_arguments(p)
     add_tls_arguments(p)
+    add_tracing_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from launch.cli_common import etcd_access_from_args, tls_from_args
+    from launch.cli_common import configure_tracing, etcd_access_from_args, tls_from_args
     from router.public_tls import PublicTls
     from router.rate_limit import RateLimit
     from router.server import RouterConfig, serve
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
                               etcd_access=etcd_access_from_args(args),
                               public_tls=PublicTls.from_args(args.public_tls_cert,
                                                              args.public_tls_key))
+        configure_tracing(args, "pdserve-router")
         asyncio.run(serve(config))
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None
