@@ -110,7 +110,7 @@ def test_node_loads_its_kernels_before_the_node_is_built(monkeypatch):
         return 0
 
     monkeypatch.setattr(node_main, "serve", serve)
-    args = argparse.Namespace(node_id="d0", device="cpu")
+    args = argparse.Namespace(node_id="d0", device="cpu", metrics_listen="none")
     assert node_main.run_node("decode", args) == 0
     assert order == ["kernels:True", "build", "serve"]
 
