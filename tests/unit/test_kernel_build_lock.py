@@ -5,7 +5,6 @@ kernels before it is built and serves."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import threading
@@ -97,6 +96,7 @@ def test_build_folder_names_differ_by_source(monkeypatch):
 
 def test_node_loads_its_kernels_before_the_node_is_built(monkeypatch):
     from launch import node_main
+    from launch.cli import build_parser
     from launch.cli_common import CliError
 
     order: list[str] = []
@@ -110,7 +110,8 @@ def test_node_loads_its_kernels_before_the_node_is_built(monkeypatch):
         return 0
 
     monkeypatch.setattr(node_main, "serve", serve)
-    args = argparse.Namespace(node_id="d0", device="cpu", metrics_listen="none")
+    # the real parser's Namespace: run_node reads more flags as nodes grow
+    args = build_parser().parse_args(["decode", "--node-id", "d0", "--device", "cpu"])
     assert node_main.run_node("decode", args) == 0
     assert order == ["kernels:True", "build", "serve"]
 
