@@ -33,6 +33,7 @@ from tests.deploy.manifests import (
 
 NODE_ROLES = ("prefill", "decode")
 SERVICE_MONITOR = "ServiceMonitor"
+OPERATOR_KINDS = {SERVICE_MONITOR, "PrometheusRule"}      # CRDs: no schema to validate with
 
 
 def _parsed(objects) -> dict[str, tuple]:
@@ -165,9 +166,11 @@ def test_the_service_monitor_scrapes_every_metrics_endpoint(with_operator):
     assert service_monitor_problems(with_operator) == []
     assert set(metrics_ports(with_operator)) == {"pdserve-router", "pdserve-prefill",
                                                  "pdserve-decode"}
-    # everything else still validates strictly (the ServiceMonitor is a CRD: no schema)
+    (rule,) = find(with_operator, "PrometheusRule")
+    assert rule["metadata"]["namespace"] == "pdserve" and rule["spec"]["groups"][0]["rules"]
+    # everything else still validates strictly (the operator's kinds are CRDs: no schema)
     for obj in with_operator:
-        if obj["kind"] != SERVICE_MONITOR:
+        if obj["kind"] not in OPERATOR_KINDS:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
 
