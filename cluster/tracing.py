@@ -138,12 +138,14 @@ def record(name: str, parent, start: float, end: float, attributes: dict | None 
 
 
 # ---- the router's request ---------------------------------------------------------------
-def begin_request(attributes: dict) -> RequestTrace | None:
-    """The router's span of a request, made the task's current request trace."""
+def begin_request(attributes: dict, parent=None) -> RequestTrace | None:
+    """The router's span of a request, made the task's current request trace. parent: the
+    client's trace context (`from_carrier` of its headers / metadata), None for a new
+    trace."""
     if _tracer is None:
         return None
     now = time.monotonic()
-    trace = RequestTrace(start_span("pdserve.request", None, now, attributes), now)
+    trace = RequestTrace(start_span("pdserve.request", parent, now, attributes), now)
     _current.set(trace)
     return trace
 
@@ -181,7 +183,15 @@ def incoming(context) -> object | None:
     or when the caller sent none: the node then starts a trace of its own)."""
     if _tracer is None:
         return None
-    carrier = {k: v for k, v in (context.invocation_metadata() or ()) if k == TRACEPARENT}
+    return from_carrier(context.invocation_metadata() or ())
+
+
+def from_carrier(items) -> object | None:
+    """A trace context from (key, value) pairs (gRPC metadata, HTTP headers) holding a W3C
+    `traceparent`; None when off or when there is none."""
+    if _tracer is None:
+        return None
+    carrier = {k.lower(): v for k, v in items if k.lower() == TRACEPARENT}
     if not carrier:
         return None
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster import tracing
 from cluster.proto_convert import finish_to_proto, logprobs_to_proto, sampling_fields_from_proto
 from protos import api_pb2, api_pb2_grpc, common_pb2
 from router.auth import ApiKeys
@@ -95,6 +96,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             self.service.metrics.requests.labels("grpc", str(err.http_status)).inc()
             await _abort(context, err)
         run = self.service.run(req, "grpc")
+        run.trace_parent = tracing.incoming(context)       # tracing on: the client's trace
         events = run.events()
         try:
             async for _, delta in events:

@@ -19,6 +19,7 @@ import time
 
 from aiohttp import web
 
+from cluster import tracing
 from router.auth import OPEN_HTTP_PATHS, UNAUTHENTICATED_MESSAGE, ApiKeys
 from router.errors import (
     InvalidRequest,
@@ -90,6 +91,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         log.info("[%s] rejected: %s", _log_id(rid), err.message)
         return error_response(err)
     run = service.run(req, endpoint)
+    run.trace_parent = tracing.from_carrier(request.headers.items())   # tracing on: a parent
     events = run.events()
     try:
         try:

@@ -39,6 +39,8 @@ class RequestRun:
         self.arrival = time.monotonic()
         self._last_token: list[float | None] = [None] * len(req.prompts)
         self._first_token: float | None = None
+        # the client's trace context (a W3C traceparent it sent), set by the front
+        self.trace_parent = None
 
     def _on_tokens(self, index: int, n: int) -> None:
         m, now = self.service.metrics, time.monotonic()
@@ -65,7 +67,7 @@ class RequestRun:
         status = "ok"
         # with tracing on: this request's span, current for the node calls it makes
         trace = tracing.begin_request({"pdserve.request_id": self.req.internal_id,
-                                       "pdserve.endpoint": self.endpoint})
+                                       "pdserve.endpoint": self.endpoint}, self.trace_parent)
         # The one line that ties the client's id to the internal one the node logs use.
         log.info("[%s] %s: %d prompt(s), %s prompt tokens, internal id %s", self.req.request_id,
                  self.endpoint, len(self.req.prompts), [len(p) for p in self.req.prompts],

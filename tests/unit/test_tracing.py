@@ -188,3 +188,68 @@ def test_flags_configure_the_exporter_or_name_what_is_wrong(monkeypatch):
     monkeypatch.setenv("PDSERVE_OTEL_EXPORTER", "jaeger")      # env values skip `choices`
     with pytest.raises(CliError, match="--otel-exporter must be one of"):
         configure_tracing(parse("router"), "pdserve-router")
+
+
+CLIENT = "00-" + "12" * 16 + "-" + "34" * 8 + "-01"
+
+
+def _root_parent(spans) -> tuple[int, int]:
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "pdserve.request"]
+    return root.context.trace_id, root.parent.span_id
+
+
+def test_a_client_traceparent_over_http_becomes_the_request_spans_parent(spans, tmp_path):
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    from router.http_server import make_app
+    from tests.router_fakes import TOKENS, ScriptedBackend
+
+    model_dir = make_router_model_dir(tmp_path)
+
+    async def main():
+        info = ModelInfo.from_folder(model_dir, name="tiny")
+        service = RouterService(info, Tokenizer(model_dir), ScriptedBackend(TOKENS[:3]),
+                                RouterMetrics(NodePool()))
+        server = TestServer(make_app(service), host="127.0.0.1")
+        await server.start_server()
+        try:
+            async with ClientSession(str(server.make_url(""))) as http:
+                async with http.post("/v1/completions", json={
+                        "model": "tiny", "prompt": "Hello", "max_tokens": 3},
+                        headers={"traceparent": CLIENT}) as r:
+                    return r.status
+        finally:
+            await server.close()
+
+    assert asyncio.run(main()) == 200
+    assert _root_parent(spans) == (int("12" * 16, 16), int("34" * 8, 16))
+
+
+def test_a_client_traceparent_over_grpc_becomes_the_request_spans_parent(spans, tmp_path):
+    import grpc as grpc_mod
+
+    from protos import api_pb2, api_pb2_grpc, common_pb2
+    from router.grpc_server import GrpcFront
+    from tests.router_fakes import TOKENS, ScriptedBackend
+
+    model_dir = make_router_model_dir(tmp_path)
+
+    async def main():
+        info = ModelInfo.from_folder(model_dir, name="tiny")
+        service = RouterService(info, Tokenizer(model_dir), ScriptedBackend(TOKENS[:3]),
+                                RouterMetrics(NodePool()))
+        front = GrpcFront(service, "127.0.0.1:0")
+        await front.start()
+        try:
+            async with grpc_mod.aio.insecure_channel(f"127.0.0.1:{front.port}") as ch:
+                stub = api_pb2_grpc.GenerationStub(ch)
+                call = stub.Generate(api_pb2.GenerateRequest(
+                    text="Hello", sampling=common_pb2.SamplingParams(max_tokens=3)),
+                    metadata=(("traceparent", CLIENT),))
+                return [event async for event in call]
+        finally:
+            await front.stop(None)
+
+    assert asyncio.run(asyncio.wait_for(main(), 30))
+    assert _root_parent(spans) == (int("12" * 16, 16), int("34" * 8, 16))
