@@ -11,7 +11,8 @@ SPEC: {"model": folder, "dtype": "bfloat16", "max_model_len": int, "max_num_seqs
        "workloads": {name: [{"prompt": [ids], "max_tokens": n}, ...], ...}}
 OUT:  {"workloads": {name: {"tokens": [[ids], ...], "elapsed_s": wall seconds}},
        "ready_s": process start -> engine built, "first_output_s": process start -> the
-       first output of a one-token warm-up request, "peak_rss_mb": the process's peak RSS}
+       first output of a one-token warm-up request, "peak_rss_mb": the process's peak RSS,
+       "tree_peak_rss_mb": the peaks of it and its live child processes, summed}
 Greedy, ignore_eos: every request produces exactly max_tokens tokens. The workloads run
 one after another in the order given, after the warm-up.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -58,6 +60,29 @@ def run_vllm(spec: dict):
     return generate
 
 
+def tree_peak_rss_mb() -> float:
+    """The sum of the peak RSS (VmHWM) of this process and every live descendant: vLLM runs
+    its engine core in a child process, whose memory this process's own peak misses."""
+    def children(pid: int) -> list[int]:
+        out = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            text = (task / "children").read_text() if (task / "children").exists() else ""
+            out += [int(c) for c in text.split()]
+        return out
+
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+            todo += children(pid)
+        except OSError:          # it ended meanwhile
+            continue
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=["ours", "vllm"], required=True)
@@ -79,7 +104,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({
         "workloads": results, "ready_s": ready_s,
         "first_output_s": first_output_s,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tree_peak_rss_mb": tree_peak_rss_mb()}))
     return 0
 
 

@@ -141,8 +141,9 @@ def summarize(result: dict) -> str:
     for e in ("ours", "vllm-2t", "vllm-default"):
         mine = [r for r in runs if r["engine"] == e]
         rows.append([e, f"{statistics.median(r['first_output_s'] for r in mine):.1f}",
-                     f"{max(r['peak_rss_mb'] for r in mine):.0f}"])
-    out.append(md_table(["engine", "start -> first output s (median)", "peak RSS MB"], rows))
+                     f"{max(r.get('tree_peak_rss_mb', r['peak_rss_mb']) for r in mine):.0f}"])
+    out.append(md_table(["engine", "start -> first output s (median)",
+                     "peak RSS MB (process + children)"], rows))
     out += ["", f"model {result['model']}, {result['dtype']}, {len(rounds)} rounds, "
             f"load average at end {result['loadavg_end']}"]
     return "\n".join(out)
