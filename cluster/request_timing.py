@@ -21,6 +21,7 @@ import time
 
 from cluster import tracing
 from cluster.node_metrics import NodeMetrics
+from cluster.proto_convert import finish_from_proto
 
 
 class RequestTimer:
@@ -85,10 +86,13 @@ class RequestTimer:
         self.last_token = now
         self.num_tokens += n
 
-    def finished(self, reason: str) -> None:
-        """The stream's last event (finish reason set)."""
+    def finished(self, reason: str | int) -> None:
+        """The stream's last event. reason: the finish reason, as the engine names it or as
+        a TokenEvent carries it (the proto enum, named here)."""
         if self.done:
             return
+        if isinstance(reason, int):
+            reason = finish_from_proto(reason) or str(reason)
         self.done = True
         now = time.monotonic()
         m = self.metrics
