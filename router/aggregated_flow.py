@@ -26,14 +26,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster import tracing
-from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+from cluster.proto_convert import finish_from_proto, sampling_to_proto
 from cluster.rpc_status import DECODE, failure_of
 from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from router.backend import StepOutput
 from router.errors import NodeFailure, NoNodeAvailable
 from router.metrics import PhaseClock
-from router.node_calls import TryOther, classify_failure, stop_reason_from_wire
+from router.node_calls import TryOther, classify_failure, token_step
 from router.node_pool import NodePool, NodeState
 from router.policies.base import RoutingPolicy, RoutingRequest
 
@@ -107,13 +107,8 @@ async def aggregated_attempt(backend, node: NodeState, rid: str, prompt: list[in
                                t.stop_reason or "the aggregated node aborted the request")
             phases.end(AGGREGATED)
             cached = t.usage.cached_prompt_tokens if t.HasField("usage") else 0
-            yield StepOutput(
-                list(t.token_ids),
-                logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
-                finish_reason=finish,
-                stop_reason=stop_reason_from_wire(t.stop_reason, params) if finish else None,
-                num_cached_tokens=cached if first_attempt else 0,
-                meta={AGGREGATED: node.node_id})
+            yield token_step(t, finish, params, original, cached, first_attempt,
+                             {AGGREGATED: node.node_id})
             if finish is not None:
                 return
     finally:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import grpc
 
 from cluster.kv_transfer.grpc_transport import open_channel
+from cluster.proto_convert import logprobs_from_proto
 from cluster.rpc_status import RpcFailure
 from cluster.tls import TlsConfig
 from engine.sampling_params import SamplingParams
+from router.backend import StepOutput
 from router.errors import InvalidRequest, NodeFailure, RouterError
 from router.node_pool import NodeState
 
@@ -106,3 +108,16 @@ def classify_failure(failure: RpcFailure, node: NodeState) -> Exception:
     if code in _NODE_DOWN:
         return NodeFailure(node.node_id, f"{code.name}: {message}")
     return RouterError(f"{node.role} node {node.node_id} failed: {code.name}: {message}")
+
+
+def token_step(t, finish: str | None, params: SamplingParams, original: SamplingParams,
+               cached: int, first_attempt: bool, meta: dict) -> StepOutput:
+    """A node's TokenEvent `t` (finish already decoded) as the router's StepOutput; the
+    same for a decode node's and an aggregated node's stream."""
+    return StepOutput(
+        list(t.token_ids),
+        logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
+        finish_reason=finish,
+        stop_reason=stop_reason_from_wire(t.stop_reason, params) if finish else None,
+        num_cached_tokens=cached if first_attempt else 0,
+        meta=meta)

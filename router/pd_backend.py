@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster import tracing
-from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
+from cluster.proto_convert import finish_from_proto, sampling_to_proto
 from cluster.rpc_status import DECODE, PREFILL, failure_of
 from cluster.tls import TlsConfig
 from engine.sampling_params import SamplingParams
@@ -47,6 +47,7 @@ from router.node_calls import (  # noqa: F401 - ChannelCache: re-exported for ca
     TryOther,
     classify_failure,
     stop_reason_from_wire,
+    token_step,
 )
 from router.node_pool import NodePool, NodeState
 from router.policies.base import RoutingPolicy, RoutingRequest
@@ -277,13 +278,8 @@ class PdBackend:
                 phases.end("first_token")
                 cached = max(prefill_cached,
                              t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
-                yield StepOutput(
-                    list(t.token_ids),
-                    logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
-                    finish_reason=finish,
-                    stop_reason=stop_reason_from_wire(t.stop_reason, params) if finish else None,
-                    num_cached_tokens=cached if first_attempt else 0,
-                    meta={"prefill": pre.node_id, "decode": dec.node_id})
+                yield token_step(t, finish, params, original, cached, first_attempt,
+                                 {"prefill": pre.node_id, "decode": dec.node_id})
                 if finish is not None:
                     return
         finally:
