@@ -9,8 +9,9 @@ measured here at load, on the model's own layers: the smallest row multiple that
 row the same bits wherever it sits becomes the layer's `row_multiple` (every call is
 padded up to a multiple of it), so each row goes through the same micro-kernel. Measured
 here (AVX2, torch 2.13): float32 differs between 1 row, 2-3 rows and 4+ rows, and
-between a full 4-row tile and an edge row. A library with no such multiple gets a clear
-error, not a mode that silently is not one.
+between a full 4-row tile and an edge row; on an AVX512-BF16 EPYC, oneDNN's bf16 1-row
+and 8-row kernels round a few rows in a hundred differently (multiple 2 there). A
+library with no such multiple gets a clear error, not a mode that silently is not one.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import torch
 
 from engine.layers.linear import Linear, padded_linear
 
-# (rows in the call, position of the probed row): first, last and middle positions,
-# across the sizes where BLAS kernels switch (gemv, edge tiles, full micro-tiles)
-PLACEMENTS = ((1, 0), *((n, n - 1) for n in range(2, 18)), (24, 5), (31, 30), (33, 32),
-              (64, 63), (100, 99), (100, 48))
+# rows in a probe call, across the sizes where BLAS kernels switch (gemv, edge tiles,
+# full micro-tiles)
+SIZES = (*range(1, 18), 24, 31, 33, 64, 100)
 ROW_MULTIPLES = (1, 2, 4, 8, 16, 32)
 
 
@@ -46,19 +46,21 @@ def enable(model: torch.nn.Module) -> None:
 
 @torch.inference_mode()
 def measure_row_multiple(weight: torch.Tensor, gen: torch.Generator) -> int:
-    """The smallest row multiple that gives one row the same bits wherever it sits in a
-    call of any size (its companions random)."""
-    k = weight.shape[1]
-    row = torch.randn(1, k, generator=gen).to(weight.device, weight.dtype)
-    calls = []
-    for n, pos in PLACEMENTS:
-        x = torch.randn(n, k, generator=gen).to(weight.device, weight.dtype)
-        x[pos] = row[0]
-        calls.append((x, pos))
+    """The smallest row multiple that gives a row the same bits wherever it sits in a call
+    of any size. Every row of every probe call is checked against the same row computed
+    alone: a different summation order shows in a bf16 output only when it moves the
+    rounding (a few rows in a hundred), so one probe row per call can miss it (it did on
+    an AVX512-BF16 CPU, where oneDNN's 1-row and 8-row kernels differ)."""
+    sizes = SIZES
+    pool = torch.randn(sizes[-1] * 2, weight.shape[1], generator=gen).to(weight.device,
+                                                                          weight.dtype)
     for multiple in ROW_MULTIPLES:
-        ref = padded_linear(row, weight, None, multiple)[0]
-        if all(torch.equal(padded_linear(x, weight, None, multiple)[pos], ref)
-               for x, pos in calls):
+        alone = torch.stack([padded_linear(pool[i:i + 1], weight, None, multiple)[0]
+                             for i in range(pool.shape[0])])
+        # each size starts at its own offset, so a pool row sits at many positions
+        if all(torch.equal(padded_linear(pool[o:o + n], weight, None, multiple),
+                           alone[o:o + n])
+               for n in sizes for o in (n % sizes[-1], sizes[-1] - n)):
             return multiple
     raise NotBatchInvariant(
         f"batch_invariant: this CPU's {weight.dtype} matmul gives a row different bits "
