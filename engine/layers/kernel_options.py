@@ -13,6 +13,7 @@ the engine's) can run different kernels.
 Environment switches (read only by `from_env`):
     PDSERVE_CPU_ATTENTION_KERNEL=0   decode attention without the C++ paged kernel
     PDSERVE_CPU_FUSED_OPS=0          rotary, K/V writes and add+RMSNorm as torch ops
+    PDSERVE_CPU_PACKED_LINEAR=0      bf16 linear layers through F.linear, not prepacked
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 ATTENTION_KERNEL_ENV = "PDSERVE_CPU_ATTENTION_KERNEL"
 FUSED_OPS_ENV = "PDSERVE_CPU_FUSED_OPS"
+PACKED_LINEAR_ENV = "PDSERVE_CPU_PACKED_LINEAR"
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class KernelOptions:
     cpu_fused_ops: bool = True
     # torch decode path on CPU: two grouped matmuls (off: the SDPA kernel, as on GPUs)
     cpu_grouped_decode: bool = True
+    # bf16 Linear weights prepacked for oneDNN at load (engine/layers/linear.py)
+    cpu_packed_linear: bool = True
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -46,19 +50,22 @@ class KernelOptions:
         """The defaults, less what the user switched off with `<VARIABLE>=0`."""
         env = os.environ if environ is None else environ
         return cls(cpu_attention_kernel=env.get(ATTENTION_KERNEL_ENV, "1") != "0",
-                   cpu_fused_ops=env.get(FUSED_OPS_ENV, "1") != "0")
+                   cpu_fused_ops=env.get(FUSED_OPS_ENV, "1") != "0",
+                   cpu_packed_linear=env.get(PACKED_LINEAR_ENV, "1") != "0")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:
         """No C++ kernel, SDPA decode: the path every non-CPU device takes."""
-        return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False)
+        return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False,
+                   cpu_packed_linear=False)
 
     def for_device(self, device: torch.device | str) -> KernelOptions:
         """These options for a model on `device`: the C++ kernels are CPU-only, so
         elsewhere they are off (and never built)."""
         if torch.device(device).type == "cpu":
             return self
-        return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False)
+        return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False,
+                       cpu_packed_linear=False)
 
 
 DEFAULT_KERNELS = KernelOptions()

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from engine.layers import batch_invariant
 from engine.layers.kernel_options import KernelOptions
+from engine.layers.linear import can_pack, pack_linears
 from engine.models.model_config import ModelConfig
 from engine.models.registry import model_class
 
@@ -93,6 +94,10 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"model folder {folder} is missing weights: {shown}")
     if kernels.batch_invariant:
         batch_invariant.enable(model)
+    elif kernels.cpu_packed_linear and can_pack(dtype, device):
+        # the head keeps its dense weight: tied to the embedding, and the MTP draft head
+        # reads it
+        pack_linears(model, keep_dense=("lm_head",))
     return model.eval(), cfg
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.norm import RMSNorm
 from engine.models.decoder import DecoderLayer
 from engine.models.loader import copy_weight, safetensors_files
@@ -201,5 +201,8 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
     if prefix + DRAFT_VOCAB_KEY in handles:
         mtp.set_draft_vocab(handles[prefix + DRAFT_VOCAB_KEY].get_tensor(
             prefix + DRAFT_VOCAB_KEY))
+    if target_model.kernels.cpu_packed_linear and can_pack(dtype, device):
+        # one layer: its dense weights are kept (hf_state_dict reads them)
+        pack_linears(mtp, release=False)
     return mtp.eval()
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import SMALL_ROWS, Linear
+from engine.layers.linear import SMALL_ROWS, Linear, can_pack, pack_linears
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -47,3 +47,39 @@ def test_bfloat16_and_state_dict_like_nn_linear():
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(lin.to(torch.bfloat16)(x), ref.to(torch.bfloat16)(x))
+
+
+needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="this CPU's oneDNN has no native bf16 (AVX2 only)")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 200])
+def test_packed_bf16_equals_f_linear(rows):
+    torch.manual_seed(rows)
+    lin = Linear(96, 160, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = F.linear(x, lin.weight, lin.bias)
+        packed = Linear(96, 160, bias=True).to(torch.bfloat16)
+        packed.load_state_dict(lin.state_dict())
+        model = nn.Sequential(packed)
+        assert pack_linears(model) == 1
+        assert packed.packed is not None and packed.weight.numel() == 0
+        y = packed(x)
+        assert y.shape == ref.shape and y.dtype == torch.bfloat16
+        # the same oneDNN kernel as F.linear's in bf16, minus the per-call reorder: the
+        # same bits, so packing cannot change a greedy token
+        assert torch.equal(y, ref)
+        # a 3-d input and, with autograd on, the dense fallback from the packed copy
+        torch.testing.assert_close(packed(x.view(1, rows, 96))[0], y, rtol=0, atol=0)
+    with torch.enable_grad():
+        assert torch.equal(packed(x), ref)
+
+
+@needs_bf16
+def test_pack_keeps_named_dense_weights_and_skips_float32():
+    model = nn.ModuleDict({"proj": Linear(8, 8), "lm_head": Linear(8, 4)}).to(torch.bfloat16)
+    assert pack_linears(model, keep_dense=("lm_head",)) == 2
+    assert model["proj"].weight.numel() == 0 and model["lm_head"].weight.shape == (4, 8)
+    assert not can_pack(torch.float32, torch.device("cpu"))
