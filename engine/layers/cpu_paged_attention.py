@@ -151,6 +151,135 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+// 16 float32 partial sums of q . k over a 64-wide bf16 row: two VDPBF16PS
+static inline __m512 dot64(__m512i q0, __m512i q1, const at::BFloat16* k) {
+  const __m512 v = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q0,
+                                    (__m512bh)_mm512_loadu_si512(k));
+  return _mm512_dpbf16_ps(v, (__m512bh)q1, (__m512bh)_mm512_loadu_si512(k + 32));
+}
+
+// the totals of four 16-lane vectors: pairs added within 128-bit lanes (unpack, shuffle),
+// then the four lanes; ~3.5 instructions a vector against ~8 for a reduce each
+static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+// bfloat16, head_dim 64, on a CPU with AVX512-BF16: a K row is two 32-lane bf16 vectors
+// scored against a query head with two VDPBF16PS (bf16 pairs multiplied and summed into
+// float32 lanes; a bf16 x bf16 product is exact in float32) and one horizontal sum. The
+// generic loop above spent ~100 cycles a key converting every element to float first.
+// Same float32 softmax and accumulation; the output rounded to nearest even, as a cast.
+template <int GC>   // query heads per KV head (compile-time: accumulators in registers)
+static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc,
+                                  const at::Tensor& vc, const at::Tensor& bt,
+                                  const at::Tensor& kvlen, at::Tensor& out, int64_t rows,
+                                  double scale_d) {
+  constexpr int64_t D = 64;
+  const int64_t N = q.size(0), Hq = q.size(1);
+  const int64_t Hk = kc.size(0), NB = kc.size(1), BS = kc.size(2);
+  const int64_t W = bt.size(1);
+  constexpr int64_t G = GC;
+  const float scale = static_cast<float>(scale_d);
+  const at::BFloat16* qp = q.data_ptr<at::BFloat16>();
+  const at::BFloat16* kp = kc.data_ptr<at::BFloat16>();
+  const at::BFloat16* vp = vc.data_ptr<at::BFloat16>();
+  const int* btp = bt.data_ptr<int>();
+  const int* lp = kvlen.data_ptr<int>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc;
+    __m512i qv[2 * G];
+    __m512 acc[4 * G];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / Hk, h = i % Hk, b = r / rows;
+      const int64_t L = std::min<int64_t>(lp[r], W * BS);
+      sc.resize(G * L);
+      for (int64_t g = 0; g < G; ++g) {
+        const at::BFloat16* qg = qp + (r * Hq + h * G + g) * D;
+        qv[2 * g] = _mm512_loadu_si512(qg);
+        qv[2 * g + 1] = _mm512_loadu_si512(qg + 32);
+      }
+      const int64_t nblk = (L + BS - 1) / BS;
+      for (int64_t j = 0; j < std::min(nblk, AHEAD); ++j) {
+        prefetch_block(kp + (h * NB + btp[b * W + j]) * BS * D, BS * D);
+        prefetch_block(vp + (h * NB + btp[b * W + j]) * BS * D, BS * D);
+      }
+      for (int64_t j = 0; j < nblk; ++j) {
+        const at::BFloat16* kb = kp + (h * NB + btp[b * W + j]) * BS * D;
+        const int64_t cnt = std::min(BS, L - j * BS);
+        if (j + AHEAD < nblk)
+          prefetch_block(kp + (h * NB + btp[b * W + j + AHEAD]) * BS * D, BS * D);
+        int64_t t = 0;
+        for (; t + 4 <= cnt; t += 4) {     // four keys: their four sums reduced together
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 v[4];
+            for (int u = 0; u < 4; ++u) v[u] = dot64(qv[2 * g], qv[2 * g + 1], kb + (t + u) * D);
+            _mm_storeu_ps(sc.data() + g * L + j * BS + t,
+                          _mm_mul_ps(hsum4(v[0], v[1], v[2], v[3]), _mm_set1_ps(scale)));
+          }
+        }
+        for (; t < cnt; ++t)
+          for (int64_t g = 0; g < G; ++g)
+            sc[g * L + j * BS + t] =
+                _mm512_reduce_add_ps(dot64(qv[2 * g], qv[2 * g + 1], kb + t * D)) * scale;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = sc.data() + g * L;
+        float m = -INFINITY;
+        for (int64_t p = 0; p < L; ++p) m = s[p] > m ? s[p] : m;
+        float sum = 0.f;
+        for (int64_t p = 0; p < L; ++p) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < L; ++p) s[p] *= inv;
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nblk; ++j) {
+        const at::BFloat16* vb = vp + (h * NB + btp[b * W + j]) * BS * D;
+        const int64_t cnt = std::min(BS, L - j * BS);
+        if (j + AHEAD < nblk)
+          prefetch_block(vp + (h * NB + btp[b * W + j + AHEAD]) * BS * D, BS * D);
+        for (int64_t t = 0; t < cnt; ++t) {
+          const __m512i raw0 = _mm512_loadu_si512(vb + t * D);
+          const __m512i raw1 = _mm512_loadu_si512(vb + t * D + 32);
+          const __m512 f[4] = {
+              _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(raw0)),
+              _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(raw0, 1)),
+              _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(raw1)),
+              _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(raw1, 1))};
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 w = _mm512_set1_ps(sc[g * L + j * BS + t]);
+            for (int c = 0; c < 4; ++c) acc[4 * g + c] = _mm512_fmadd_ps(w, f[c], acc[4 * g + c]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        at::BFloat16* o = op + (r * Hq + h * G + g) * D;
+        for (int c = 0; c < 4; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(acc[4 * g + c]));
+      }
+    }
+  });
+}
+#define PDSERVE_BF16_D64 1
+#endif
+
+// whether bfloat16 with head_dim 64 and 1-4 query heads per KV head takes the AVX512-BF16
+// path above (then it also beats torch's SDPA on prefill rows, one row at a time)
+bool bf16_d64_fast() {
+#ifdef PDSERVE_BF16_D64
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
                                   at::Tensor kvlen, int64_t rows, double scale) {
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(),
@@ -169,7 +298,16 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
     else if (d == 128) paged_decode<float, 128>(q, kc, vc, btc, lens, out, rows, scale);
     else paged_decode<float, 0>(q, kc, vc, btc, lens, out, rows, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
+#ifdef PDSERVE_BF16_D64
+    const int64_t g = q.size(1) / kc.size(0);
+    if (d == 64 && g == 1) paged_decode_bf16_d64<1>(q, kc, vc, btc, lens, out, rows, scale);
+    else if (d == 64 && g == 2) paged_decode_bf16_d64<2>(q, kc, vc, btc, lens, out, rows, scale);
+    else if (d == 64 && g == 3) paged_decode_bf16_d64<3>(q, kc, vc, btc, lens, out, rows, scale);
+    else if (d == 64 && g == 4) paged_decode_bf16_d64<4>(q, kc, vc, btc, lens, out, rows, scale);
+    else if (d == 64) paged_decode<at::BFloat16, 64>(q, kc, vc, btc, lens, out, rows, scale);
+#else
     if (d == 64) paged_decode<at::BFloat16, 64>(q, kc, vc, btc, lens, out, rows, scale);
+#endif
     else if (d == 128) paged_decode<at::BFloat16, 128>(q, kc, vc, btc, lens, out, rows, scale);
     else paged_decode<at::BFloat16, 0>(q, kc, vc, btc, lens, out, rows, scale);
   } else {
@@ -180,13 +318,22 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_paged_attention_v8", _SOURCE, ["paged_decode_attention"],
+    "pdserve_cpu_paged_attention_v9", _SOURCE, ["paged_decode_attention", "bf16_d64_fast"],
     ["-ffast-math", "-fno-finite-math-only"], "CPU paged attention kernel")
 
 
 def kernel():
     """The compiled module, or None when it cannot be built here (reason logged once)."""
     return EXTENSION.load()
+
+
+def fast_bf16_rows(dtype: torch.dtype, head_dim: int, groups: int) -> bool:
+    """Whether rows of this shape take the kernel's AVX512-BF16 path: then prefill rows too
+    are served one row at a time here, ~3x faster than torch's flash SDPA on CPU in bf16
+    (SmolLM2, 8 prompts of 42-488 tokens, 30 layers: 512 -> 167 ms)."""
+    mod = kernel()
+    return (mod is not None and dtype == torch.bfloat16 and head_dim == 64
+            and 1 <= groups <= 4 and mod.bf16_d64_fast())
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

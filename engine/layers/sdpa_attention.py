@@ -162,6 +162,11 @@ class SdpaAttention:
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
         if self.rowwise_prefill and k_cache.dtype in KERNEL_DTYPES:
             return self._prefill_rowwise(q, k_cache, v_cache, meta, out)
+        if (self.use_cpu_kernel and k_cache.device.type == "cpu"
+                and cpu_paged_attention.fast_bf16_rows(k_cache.dtype, k_cache.shape[3],
+                                                       q.shape[1] // k_cache.shape[0])):
+            # bf16 only: float32 keeps SDPA, whose rounding is HF's
+            return self._prefill_rowwise(q, k_cache, v_cache, meta, out)
         hk, _, bs, d = k_cache.shape
         tok = meta.num_decode_tokens
         first = meta.num_decodes
@@ -188,10 +193,12 @@ class SdpaAttention:
             tok += n
 
     def _prefill_rowwise(self, q, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
-        """Batch-invariant prefill: each new token is a decode row of KV length position+1
-        (its K/V are in the cache already), so its attention is computed exactly as it
-        would be in any other chunking, batch or decode step. SDPA's blocking depends on
-        the query and KV lengths of the call, which vary with those."""
+        """Prefill rows through the paged kernel: each new token is a decode row of KV
+        length position+1 (its K/V are in the cache already), so its attention is computed
+        exactly as it would be in any other chunking, batch or decode step (SDPA's
+        blocking depends on the query and KV lengths of the call, which vary with those:
+        batch-invariant mode needs this). In bf16 with the kernel's AVX512-BF16 path it
+        is also ~3x faster than SDPA."""
         first, tok0 = meta.num_decodes, meta.num_decode_tokens
         seqs = range(first, first + meta.num_prefills)
         counts = [meta.query_lens_host[i] for i in seqs]

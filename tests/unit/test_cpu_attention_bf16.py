@@ -1,0 +1,85 @@
+"""The C++ paged decode kernel's bfloat16 path for head_dim 64 (AVX512-BF16 dot products,
+query heads per KV head fixed at compile time for 1-4, the generic loop beyond): against
+an explicit float32 reference on the same bf16 values, for plain decode rows and k+1-row
+verify runs, over block tables with partial last blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.forward_input import AttentionMetadata
+from engine.layers import cpu_paged_attention
+from engine.layers.sdpa_attention import SdpaAttention, verify_kv_lens
+from tests.unit.test_spec_graph import _paged_case, _reference
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bf16_head_dim_64_matches_reference(groups, rows):
+    assert cpu_paged_attention.kernel() is not None, cpu_paged_attention.EXTENSION.failed
+    hk = 2
+    q, _, _, kc, vc, meta = _paged_case(groups * 10 + rows, [rows + 2, 17, 40, 64], rows,
+                                        hq=hk * groups, hk=hk, d=64, bs=16, width=5)
+    qb, kb, vb = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    lens = meta.seq_lens if rows == 1 else verify_kv_lens(meta.seq_lens, rows).reshape(-1)
+    got = cpu_paged_attention.paged_decode_attention(qb, kb, vb, meta.block_tables,
+                                                     lens.to(torch.int32).contiguous(),
+                                                     rows, 0.125)
+    ref = _reference(qb.float(), kb.float(), vb.float(), meta, rows, 0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    # float32 arithmetic inside; the one rounding is the output's to bf16 (2^-8 relative)
+    torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=4e-3)
+
+
+def _prefill_meta(ctx_lens: list[int], new_lens: list[int], bs: int, width: int):
+    """Two prompts' prefill rows (the second after `ctx` cached tokens) over disjoint blocks."""
+    tables = torch.zeros(len(new_lens), width, dtype=torch.int32)
+    slots = []
+    for i, (c, n) in enumerate(zip(ctx_lens, new_lens, strict=True)):
+        used = -(-(c + n) // bs)
+        tables[i, :used] = torch.arange(1 + i * width, 1 + i * width + used)
+        slots += [int(tables[i, p // bs]) * bs + p % bs for p in range(c, c + n)]
+    seq_lens = [c + n for c, n in zip(ctx_lens, new_lens, strict=True)]
+    starts = torch.tensor([0, *new_lens]).cumsum(0).to(torch.int32)
+    zeros = torch.zeros(len(new_lens) + 1, dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=starts, block_tables=tables, paged_kv_indptr=zeros,
+        paged_kv_indices=zeros, paged_kv_last_page_len=zeros[1:],
+        num_decodes=0, num_prefills=len(new_lens), num_decode_tokens=0,
+        query_lens_host=list(new_lens), context_lens_host=list(ctx_lens),
+        seq_lens_host=seq_lens)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_bf16_prefill_through_the_kernel_matches_sdpa(groups, monkeypatch):
+    """In bf16 with head_dim 64 (where the kernel has its AVX512-BF16 path) prefill rows go
+    through the kernel one row at a time; the result is SDPA's within bf16 rounding, with
+    a cached prefix too."""
+    hk, d, bs, width = 2, 64, 16, 8
+    g = torch.Generator().manual_seed(groups)
+    ctx, new = [0, 21], [37, 50]
+    meta = _prefill_meta(ctx, new, bs, width)
+    t = sum(new)
+    q = torch.randn(t, hk * groups, d, generator=g).bfloat16()
+    k = torch.randn(t, hk, d, generator=g).bfloat16()
+    v = torch.randn(t, hk, d, generator=g).bfloat16()
+    fast_here = cpu_paged_attention.fast_bf16_rows(torch.bfloat16, d, groups)
+    outs = {}
+    for name, fast in (("kernel", None), ("sdpa", False)):
+        cache = torch.randn(2, hk, 1 + 2 * width, bs, d, generator=torch.Generator()
+                            .manual_seed(7)).bfloat16()       # the cached prefix: random
+        calls = []
+        real = cpu_paged_attention.paged_decode_attention
+        monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention",
+                            lambda *a, real=real, calls=calls: calls.append(1) or real(*a))
+        if fast is not None:
+            monkeypatch.setattr(cpu_paged_attention, "fast_bf16_rows", lambda *a, fast=fast: fast)
+        with torch.inference_mode():
+            outs[name] = SdpaAttention(0.125)(q, k, v, cache[0], cache[1], meta)
+        monkeypatch.undo()
+        # without AVX512-BF16 (an AVX2 CPU) prefill stays on SDPA
+        assert bool(calls) == (name == "kernel" and fast_here)
+    torch.testing.assert_close(outs["kernel"].float(), outs["sdpa"].float(),
+                               rtol=1.6e-2, atol=8e-3)
