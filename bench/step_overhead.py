@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--model", help="an HF folder (default: the default model)")
+    ap.add_argument("--top", type=int, default=0,
+                    help="also list the N operators with the most self time in the step")
     args = ap.parse_args(argv)
     folder = args.model or prepare_default_model(progress=False)
     llm = LLM(folder, dtype=args.dtype, max_num_seqs=args.batch)
@@ -91,10 +93,12 @@ def main(argv=None) -> int:
             engine.run_once()
             wall = time.perf_counter() - t
         ops = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
-        hosts.append((wall, ops))
-    wall, ops = sorted(hosts)[1]
+        hosts.append((wall, ops, prof))
+    wall, ops, prof = sorted(hosts, key=lambda h: h[0])[1]
     print(f"profiled step: wall {1e3 * wall:.2f} ms, in operators {1e3 * ops:.2f} ms, "
           f"host (Python + dispatch) {1e3 * (wall - ops):.2f} ms")
+    if args.top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0
 
 
