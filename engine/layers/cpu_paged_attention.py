@@ -74,6 +74,16 @@ static inline void prefetch_block(const T* p, int64_t n) {
 
 constexpr int64_t AHEAD = 2;   // blocks prefetched ahead (3x faster than none, measured)
 
+// one query head's scores -> probabilities, in place, in float32
+static inline void softmax_inplace(float* s, int64_t L) {
+  float m = -INFINITY;
+  for (int64_t p = 0; p < L; ++p) m = s[p] > m ? s[p] : m;
+  float sum = 0.f;
+  for (int64_t p = 0; p < L; ++p) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
+  const float inv = 1.f / sum;
+  for (int64_t p = 0; p < L; ++p) s[p] *= inv;
+}
+
 // DC > 0: head_dim known at compile time (fully unrolled, vectorized inner loops)
 template <typename T, int DC>
 static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
@@ -119,15 +129,7 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = sc.data() + g * L;
-        float m = -INFINITY;
-        for (int64_t p = 0; p < L; ++p) m = s[p] > m ? s[p] : m;
-        float sum = 0.f;
-        for (int64_t p = 0; p < L; ++p) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < L; ++p) s[p] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_inplace(sc.data() + g * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < nblk; ++j) {
         const T* vb = vp + (h * NB + btp[b * W + j]) * BS * D;
@@ -229,15 +231,7 @@ static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc,
             sc[g * L + j * BS + t] =
                 _mm512_reduce_add_ps(dot64(qv[2 * g], qv[2 * g + 1], kb + t * D)) * scale;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = sc.data() + g * L;
-        float m = -INFINITY;
-        for (int64_t p = 0; p < L; ++p) m = s[p] > m ? s[p] : m;
-        float sum = 0.f;
-        for (int64_t p = 0; p < L; ++p) { s[p] = exp_nonpos(s[p] - m); sum += s[p]; }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < L; ++p) s[p] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_inplace(sc.data() + g * L, L);
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t j = 0; j < nblk; ++j) {
         const at::BFloat16* vb = vp + (h * NB + btp[b * W + j]) * BS * D;
