@@ -121,8 +121,12 @@ def main(argv=None) -> int:
     print("\n".join(f"{k}: {v}" for k, v in facts.items()), flush=True)
 
     max_len = args.prompt_len + WARM_STEPS + args.steps + 8
+    # every prompt of a batch prefilled in one step: with the default 2048-token budget,
+    # batch 64 x 64 tokens took three steps, the first prompts ran two decode steps ahead and
+    # reached max_tokens before the timed forward, which then had fewer than 64 rows
     common = dict(model=str(folder), device=args.device, dtype=args.dtype,
                   max_num_seqs=max(batches), max_model_len=max_len,
+                  max_num_batched_tokens=max(2048, max(batches) * args.prompt_len),
                   enable_prefix_caching=False)
     engines = {
         "eager": LLMEngine(EngineConfig(**common)),

@@ -83,11 +83,21 @@ class RotaryEmbedding(nn.Module):
         # call then checks only its input's device and dtype
         self.fused = kernels.cpu_fused_ops and cpu_fused_ops.available()
 
+    def begin_forward(self) -> None:
+        """Forget the previous forward's cos/sin: the model calls this first in every
+        forward, so the lookup cache lives for one forward only. Across forwards it would
+        be wrong on a GPU graph: the capture of a decode graph follows warm-up runs over
+        the same positions buffer (same tensor, same version), so its lookup hit the
+        warm-up's cache, the gather was never captured and every replay rotated by the
+        warm-up's positions, read from a warm-up tensor that the next eager forward
+        freed (a CPU "graph" reruns the Python, which hid it)."""
+        self._cached = None
+
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin rows for `positions`, [T, 1, D] in `dtype`. Every layer of one forward
-        passes the same positions tensor: the gather runs once per forward, keyed on the
-        tensor and its version counter (in-place writes, e.g. a graph's persistent buffer
-        refilled for the next replay, bump it)."""
+        passes the same positions tensor: the gather runs once per forward (the cache is
+        dropped by `begin_forward`), keyed on the tensor and its version counter too, so
+        an in-place write between two lookups is never served stale rows."""
         if positions.is_inference():    # no version counter: never cache
             self._cached = None
             return self._gather(positions, dtype)

@@ -120,6 +120,9 @@ class DecoderForCausalLM(nn.Module):
         # once per forward, before the layers; inside a graph's captured callable this
         # reruns at every replay, so the plan always comes from the bound buffers
         plan = self.attention.prepare(meta, kv_cache.k[0])
+        # likewise the rotary's cos/sin: gathered in this forward (in a graph's capture
+        # too), never reused from an earlier one
+        self.rotary.begin_forward()
         x, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], plan)

@@ -81,6 +81,7 @@ class MTPModule(nn.Module):
     def forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor,
                 positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta) -> torch.Tensor:
+        self.rotary.begin_forward()     # cos/sin from this forward's positions only
         e = self.enorm(self._shared[0](token_ids))
         h = self.hnorm(prev_hidden.to(e.dtype))
         x = self.eh_proj(torch.cat((h, e) if self.hidden_first else (e, h), dim=-1))
