@@ -11,7 +11,10 @@ Holds the draft module, its own one-layer KV cache and the EmbeddingCache.
     row proposes d_1.
     step j > 1 feeds back d_{j-1} and the draft's own hidden state of step j-1: one row.
   Draft probabilities are kept for the selected rows only.
-- after verify: the accepted rows' target hidden states go back into the EmbeddingCache.
+- after verify: the accepted rows' target hidden states go back into the EmbeddingCache
+  (after the rows still pending when a step had no room to draft).
+- a sequence that finishes: the draft runs over its pending rows (finish_drafts), so the
+  blocks it leaves in the prefix cache hold the draft K/V of every position.
 
 The draft cache has the target cache's geometry (num_blocks x block_size, one layer) and
 is addressed through the target's block tables, so it is sized once, never allocates, and
@@ -103,7 +106,7 @@ class MTPWorker(SpeculativeWorker):
             if j == 0:
                 runs, hs = [], []
                 for i in active:
-                    entry = self.embedding_cache.get(seqs[i].seq_id)
+                    entry = self.embedding_cache.pop(seqs[i].seq_id)     # consumed
                     s = entry.start
                     runs.append(RowRun(seqs[i], s,
                                        seqs[i].token_ids[s + 1:s + 1 + entry.num_rows]))
@@ -141,8 +144,39 @@ class MTPWorker(SpeculativeWorker):
                      accepted: list[int]) -> None:
         for i, seq in enumerate(seqs):
             s = layout.row_start[i]
-            self.embedding_cache.put(seq.seq_id, len(seq) - 1,
-                                     hidden[s:s + accepted[i] + 1].clone())
+            start, rows = len(seq) - 1, hidden[s:s + accepted[i] + 1]
+            # rows this step did not draft from (no room for a draft) stay pending: the
+            # next draft step (or finish_drafts) runs over them, so no position's draft
+            # K/V is skipped
+            old = self.embedding_cache.pop(seq.seq_id)
+            if old is not None and old.start + old.num_rows == start:
+                start, rows = old.start, torch.cat((old.hidden, rows))
+            self.embedding_cache.put(seq.seq_id, start, rows.clone())
+
+    # ---- finished sequences: the draft K/V of their last verified positions ------------
+    def pending_tables(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        return {s.seq_id: list(s.block_table) for s in seqs if s.seq_id in self.embedding_cache}
+
+    def finish_drafts(self, finished: list[Sequence], tables: dict[int, list[int]]) -> None:
+        """Run the draft over a finished sequence's pending rows (each with the token that
+        followed it), as its next step would have, so every block it leaves in the prefix
+        cache holds the draft K/V of every position: a later request that hits the block
+        drafts exactly as if it had computed the prefix itself. The blocks were freed a
+        moment ago but nothing has been allocated since, so writing them is safe."""
+        runs, hs = [], []
+        for seq in finished:
+            entry = self.embedding_cache.get(seq.seq_id)
+            if entry is None or seq.seq_id not in tables:
+                continue
+            n = min(entry.num_rows, len(seq) - 1 - entry.start)   # rows with a next token
+            if n <= 0:
+                continue
+            runs.append(RowRun(_WithTable(seq, tables[seq.seq_id]), entry.start,
+                               seq.token_ids[entry.start + 1:entry.start + 1 + n], "none"))
+            hs.append(entry.hidden[:n])
+        if runs:
+            dfi, layout = build_runs(runs, self.block_size)
+            self.draft_forward(dfi, _in_layout_order(hs, layout))
 
     def forget_finished(self, live_seq_ids: set[int]) -> None:
         self.embedding_cache.retain(live_seq_ids)
@@ -151,6 +185,13 @@ class MTPWorker(SpeculativeWorker):
         if seq.seq_id not in self.embedding_cache:
             return 0        # nothing to draft from (e.g. KV received without hidden states)
         return super().num_drafts_for(seq)
+
+
+class _WithTable:
+    """A finished sequence seen with the block table it had before it was freed."""
+
+    def __init__(self, seq: Sequence, block_table: list[int]):
+        self.seq_id, self.block_table = seq.seq_id, block_table
 
 
 def _in_layout_order(hs: list[torch.Tensor], layout: RunLayout) -> torch.Tensor:

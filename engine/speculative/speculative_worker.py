@@ -45,8 +45,10 @@ class SpeculativeWorker:
     def execute(self, sched: SchedulerOutput, scheduler: Scheduler,
                 eos_token_ids: frozenset[int]) -> list[Sequence]:
         results = self.step(sched)
+        tables = self.pending_tables(sched.seqs)
         grew, self.last_num_tokens = postprocess_speculative(scheduler, sched, results,
                                                              eos_token_ids)
+        self.finish_drafts([s for s in sched.seqs if s.is_finished], tables)
         self.forget_finished({s.seq_id for s in scheduler.running})
         return grew
 
@@ -157,6 +159,14 @@ class SpeculativeWorker:
     def after_verify(self, seqs: list[Sequence], hidden: torch.Tensor, layout: RunLayout,
                      accepted: list[int]) -> None:
         pass
+
+    def pending_tables(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """Block tables (before postprocess frees them) of the sequences whose draft still
+        has verified positions to run over."""
+        return {}
+
+    def finish_drafts(self, finished: list[Sequence], tables: dict[int, list[int]]) -> None:
+        """Sequences that finished this step: complete the draft's state of their blocks."""
 
     def forget_finished(self, live_seq_ids: set[int]) -> None:
         pass
