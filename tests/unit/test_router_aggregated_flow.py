@@ -18,7 +18,7 @@ from router.node_pool import NodePool, NodeState
 from router.pd_backend import PdBackend
 from router.policies import make_policy
 from router.policies.base import RoutingRequest
-from tests.unit.test_router_pd_flow import (
+from tests.unit.pd_fakes import (
     PROMPT,
     FakeDecode,
     FakePrefill,

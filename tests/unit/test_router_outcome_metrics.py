@@ -17,7 +17,7 @@ from router.node_pool import NodePool, NodeState
 from router.requests import parse_completion
 from router.service import RouterService
 from tests.router_fakes import TOKENS, ScriptedBackend, make_router_model_dir
-from tests.unit.test_router_pd_flow import PROMPT, Shared, _cluster, _collect, _expected, _run
+from tests.unit.pd_fakes import PROMPT, Shared, _cluster, _collect, _expected, _run
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
