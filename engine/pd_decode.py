@@ -35,7 +35,6 @@ router configured with a longer lease still works against a stricter node.
 
 from __future__ import annotations
 
-import enum
 import hmac
 import itertools
 import logging
@@ -48,7 +47,6 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -56,8 +54,17 @@ from engine.commands import AdmitPrefilled, CapacityError, FreeReserved, Reserve
 from engine.kv_cache import scatter_blocks
 from engine.logprobs import TokenLogprob
 from engine.pd_mtp import check_handoff
+from engine.pd_reservation import (
+    ALLOWED,
+    Draining,
+    PushDenied,
+    PushRejected,
+    ReleaseReason,
+    Reservation,
+    ReservationState,
+    UnknownReservation,
+)
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 __all__ = ["CapacityError", "Draining", "KvReceiver", "PushDenied", "PushRejected",
            "Reservation",
@@ -67,85 +74,6 @@ log = logging.getLogger(__name__)
 
 KEY, VALUE = 0, 1
 TOKEN_BYTES = 32
-
-
-class ReservationState(enum.Enum):
-    RESERVED = "reserved"        # blocks held, no KV yet
-    RECEIVING = "receiving"      # the push has started writing
-    ADMITTED = "admitted"        # in the running batch; the blocks belong to the sequence
-    RELEASED = "released"        # blocks returned; `release_reason` says why
-
-
-class ReleaseReason(enum.Enum):
-    CALLER_CANCELLED = "caller cancelled"
-    PREFILL_FAILED = "prefill failed"
-    PUSH_REFUSED = "push refused"
-    LEASE_EXPIRED = "lease expired"
-    DRAINING = "node draining"
-
-
-ALLOWED = {
-    ReservationState.RESERVED: {ReservationState.RECEIVING, ReservationState.ADMITTED,
-                                ReservationState.RELEASED},
-    ReservationState.RECEIVING: {ReservationState.ADMITTED, ReservationState.RELEASED},
-    ReservationState.ADMITTED: set(),
-    ReservationState.RELEASED: set(),
-}
-
-
-class UnknownReservation(KeyError):
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown reservation"
-
-
-class Draining(CapacityError):
-    """The node is draining: it takes no new reservation (UNAVAILABLE; go elsewhere)."""
-
-
-class PushRejected(ValueError):
-    """A KV chunk or completion that does not fit the reservation; nothing was written."""
-
-
-class PushDenied(PermissionError):
-    """The caller does not hold the reservation's token (or names another request):
-    PERMISSION_DENIED. The reservation is untouched."""
-
-
-@dataclass
-class Reservation:
-    reservation_id: str
-    request_id: str
-    seq: Sequence
-    num_cached_blocks: int
-    deadline: float                       # time.monotonic()
-    state: ReservationState = ReservationState.RESERVED
-    release_reason: ReleaseReason | None = None
-    detail: str = ""                      # what the releaser said
-    pending: dict[tuple[int, int], set[int]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    bytes_received: int = 0
-    chunks_received: int = 0
-    token: bytes = field(default=b"", repr=False)     # the push secret; never logged
-    lease_s: float = 0.0                  # the lease granted (after the cap)
-
-    @property
-    def block_ids(self) -> list[int]:
-        return list(self.seq.block_table)
-
-    @property
-    def push_block_ids(self) -> list[int]:
-        return self.seq.block_table[self.num_cached_blocks:]
-
-    @property
-    def open(self) -> bool:
-        return self.state in (ReservationState.RESERVED, ReservationState.RECEIVING)
-
-    def missing(self) -> str:
-        left = {k: v for k, v in self.pending.items() if v}
-        parts = [f"layer {layer} {'KV'[kind]} blocks {sorted(ids)}"
-                 for (layer, kind), ids in sorted(left.items())[:4]]
-        more = f" and {len(left) - 4} more" if len(left) > 4 else ""
-        return ", ".join(parts) + more
 
 
 class KvReceiver:
