@@ -1,17 +1,25 @@
 """Speculative decoding (MTP) against plain decoding, in one process, on the default model
 with its trained draft head: decode tokens/s with num_speculative_tokens k = 1, 2, 3 vs
-off, at batch 1 and 8, with acceptance lengths and per-position acceptance rates.
+off, at batch 1 and 8, with acceptance lengths and per-position acceptance rates, for
+each of two held-out prompt sets.
 
-    .venv/bin/python bench/spec_decode.py [--model DIR] [--batches 1,8] [--ks 1,2,3]
-        [--max-tokens 96] [--reps 2] [--dtype auto] [--threads 1] [--graph] [--json out.json]
+    .venv/bin/python bench/spec_decode.py [--model DIR] [--sets chat,raw] [--batches 1,8]
+        [--ks 1,2,3] [--max-tokens 96] [--reps 2] [--dtype auto] [--threads 1] [--graph]
+        [--json out.json]
 
-Prompts are chat requests on topics the head never saw in training (tools/train_mtp.py
-keeps its own held-out set; these are others). Greedy, ignore_eos, so every mode does the
-same work; the modes run interleaved, rep after rep, and the table shows medians, so load
-from other processes hits them alike. tokens/s = output tokens per second of wall time
-(prompts are short, ~40 tokens, so this is decode-dominated). `identical` counts the
-sequences whose tokens equal plain decoding's (in float32 they must all be; in bf16 the
-verify rows' different kernel shapes may flip a near-tie).
+Sets (both kept out of the head's training, checked by tools/mtp_corpus.py and
+tests/unit/test_mtp_raw.py):
+- chat: chat requests (chat template) on TOPICS below x ASKS (64 prompts);
+- raw: tools/mtp_raw.py's held-out raw-text openings (no chat template: code in several
+  languages, prose, lists, dialogue, questions; 64 prompts), as the completions API
+  gets them.
+Greedy, ignore_eos, so every mode does the same work; the modes run interleaved, rep after
+rep, and the table shows medians, so load from other processes hits them alike. tokens/s
+= output tokens per second of wall time (prompts are short, so this is decode-dominated).
+`identical` counts the sequences whose tokens equal plain decoding's (in float32 they must
+all be; in bf16 the verify rows' different kernel shapes may flip a near-tie). The
+acceptance phase runs every prompt of a set as one batch per k (float32 verify is exact,
+so the batch does not change acceptance).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_facts, md_table  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from tools.mtp_raw import held_out_raw_texts  # noqa: E402
 
 TOPICS = ["lighthouses", "the Great Wall of China", "knitting", "penguins", "tea ceremonies",
           "solar panels", "the Olympic games", "a pirate ship", "bicycles", "coral reefs",
@@ -38,50 +47,96 @@ ASKS = ["Tell me about {t}.", "Write a short story about {t}.",
         "Explain {t} to a ten-year-old.", "Give me three facts about {t}."]
 
 
-def prompts(n: int, offset: int) -> list[list[dict]]:
-    out = []
-    for i in range(n):
-        j = offset + i
-        t = TOPICS[j % len(TOPICS)]
-        out.append([{"role": "user", "content": ASKS[(j // len(TOPICS)) % len(ASKS)].format(
-            t=t)}])
-    return out
+def chat_convs() -> list[list[dict]]:
+    """Every topic x request, topics first (a batch of n sees n different topics)."""
+    return [[{"role": "user", "content": ASKS[(j // len(TOPICS)) % len(ASKS)].format(
+        t=TOPICS[j % len(TOPICS)])}] for j in range(len(TOPICS) * len(ASKS))]
 
 
-def run_once(llm: LLM, convs, max_tokens: int) -> tuple[float, list[list[int]]]:
+def prompt_sets(tok, names: list[str]) -> dict[str, list[dict]]:
+    """{set name: prompts as token ids}: chat through the chat template, as LLM.chat
+    encodes them; raw as LLM.generate encodes a string."""
+    sets = {}
+    if "chat" in names:
+        sets["chat"] = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(c, True),
+                                                        add_special_tokens=False)}
+                        for c in chat_convs()]
+    if "raw" in names:
+        sets["raw"] = [{"prompt_token_ids": tok.encode(t)} for t in held_out_raw_texts()]
+    return sets
+
+
+def pick(prompts: list[dict], n: int, offset: int) -> list[dict]:
+    return [prompts[(offset + i) % len(prompts)] for i in range(n)]
+
+
+def run_once(llm: LLM, prompts: list[dict], max_tokens: int
+             ) -> tuple[float, list[list[int]]]:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
-    outs = llm.chat(convs, sp)
+    outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t
     return dt, [o.outputs[0].token_ids for o in outs]
 
 
-def measure_acceptance(llms: dict, ks: list[int], n: int, max_tokens: int) -> dict:
-    """Acceptance length and per-position rates of each k over `n` prompts (every
-    topic x request), run as one batch: acceptance does not depend on the batch (float32
-    verify is exact), and n prompts average over far more text than the speed cells."""
+def spec_delta(st: dict, before: dict, k: int) -> tuple[float | None, list[float]]:
+    """(acceptance length, cumulative per-position rates) between two stats() snapshots."""
+    drafts = st["spec_num_drafts"] - before["spec_num_drafts"]
+    acc = st["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    per_pos = [(st["spec_num_accepted_per_position"][j]
+                - before["spec_num_accepted_per_position"][j])
+               / max(1, st["spec_num_proposed_per_position"][j]
+                     - before["spec_num_proposed_per_position"][j]) for j in range(k)]
+    return (1 + acc / drafts if drafts else None), per_pos
+
+
+def measure_acceptance(llms: dict, ks: list[int], sets: dict, max_tokens: int) -> dict:
+    """Acceptance length and per-position rates of each k over every prompt of each set,
+    run as one batch per (set, k)."""
     rows, out = [], {}
-    convs = prompts(n, 0)
-    for k in ks:
-        before = dict(llms[k].stats())
-        run_once(llms[k], convs, max_tokens)
-        st = llms[k].stats()
-        drafts = st["spec_num_drafts"] - before["spec_num_drafts"]
-        acc = st["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
-        per_pos = [(st["spec_num_accepted_per_position"][j]
-                    - before["spec_num_accepted_per_position"][j])
-                   / max(1, st["spec_num_proposed_per_position"][j]
-                         - before["spec_num_proposed_per_position"][j]) for j in range(k)]
-        out[f"k{k}"] = {"acceptance_length": round(1 + acc / drafts, 3),
-                        "per_position": [round(a, 3) for a in per_pos],
-                        "drafts": drafts}
-        rows.append([k, f"{1 + acc / drafts:.3f}",
-                     ", ".join(f"{a:.3f}" for a in per_pos), drafts])
+    for name, prompts in sets.items():
+        for k in ks:
+            before = dict(llms[k].stats())
+            run_once(llms[k], prompts, max_tokens)
+            length, per_pos = spec_delta(llms[k].stats(), before, k)
+            out[f"{name}_k{k}"] = {"acceptance_length": round(length, 3),
+                                   "per_position": [round(a, 3) for a in per_pos]}
+            rows.append([name, k, f"{length:.3f}", ", ".join(f"{a:.3f}" for a in per_pos)])
     print()
-    print(f"acceptance over {n} prompts x {max_tokens} tokens (one batch):")
-    print(md_table(["k", "acceptance length", "per position (cumulative)", "draft rounds"],
-                   rows))
+    sizes = ", ".join(f"{n}: {len(p)} prompts" for n, p in sets.items())
+    print(f"acceptance over each held-out set ({sizes}) x {max_tokens} tokens, one batch:")
+    print(md_table(["set", "k", "acceptance length", "per position (cumulative)"], rows))
     return out
+
+
+def measure_speed(llms: dict, name: str, prompts: list[dict], b: int, ks: list[int],
+                  reps: int, max_tokens: int, rows: list, results: dict) -> None:
+    modes = [0] + ks
+    times = {k: [] for k in modes}
+    outputs: dict[int, list] = {}
+    before = {k: dict(llms[k].stats()) for k in ks}
+    for rep in range(reps):
+        batch = pick(prompts, b, rep * b)
+        for k in modes:
+            dt, toks = run_once(llms[k], batch, max_tokens)
+            times[k].append(dt)
+            outputs.setdefault(k, []).extend(toks)
+    ntok = b * max_tokens
+    base = ntok / statistics.median(times[0])
+    for k in modes:
+        tps = ntok / statistics.median(times[k])
+        same = sum(a == c for a, c in zip(outputs[0], outputs[k], strict=True))
+        entry = {"set": name, "batch": b, "k": k, "tokens_per_s": round(tps, 2),
+                 "speedup": round(tps / base, 3), "identical": f"{same}/{len(outputs[0])}"}
+        if k:
+            length, per_pos = spec_delta(llms[k].stats(), before[k], k)
+            entry["acceptance_length"] = None if length is None else round(length, 3)
+            entry["acceptance_per_position(cumulative)"] = [round(r, 3) for r in per_pos]
+        results[f"{name}_b{b}_k{k}"] = entry
+        rows.append([name, b, "off" if k == 0 else f"MTP k={k}", f"{tps:.1f}",
+                     f"{tps / base:.2f}x", entry.get("acceptance_length", "-"),
+                     entry["identical"]])
+        print(entry, flush=True)
 
 
 def main() -> int:
@@ -99,9 +154,9 @@ def main() -> int:
     ap.add_argument("--graph-max-seq-len", type=int, default=512,
                     help="with --graph: block-table width of the graphs (every replay "
                          "attends over all of it)")
-    ap.add_argument("--acceptance-prompts", type=int, default=len(TOPICS) * len(ASKS),
-                    help="also measure acceptance lengths over this many prompts, batched "
-                         "(0: skip); the speed cells see few prompts at batch 1")
+    ap.add_argument("--sets", default="chat,raw", help="held-out prompt sets: chat, raw")
+    ap.add_argument("--no-acceptance", action="store_true",
+                    help="skip the acceptance phase over every prompt of each set")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,51 +170,24 @@ def main() -> int:
     modes = [0] + ks
     graph = ({"enable_graph": True, "graph_max_seq_len": args.graph_max_seq_len}
              if args.graph else {})
-    llms = {k: LLM(folder, dtype=args.dtype, max_num_seqs=max(*batches, 32), **graph,
+    llms = {k: LLM(folder, dtype=args.dtype, max_num_seqs=max(*batches, 64), **graph,
                    **({"speculative_method": "mtp", "num_speculative_tokens": k} if k else {}))
             for k in modes}
+    sets = prompt_sets(llms[0].tokenizer, args.sets.split(","))
     print(f"model {folder} dtype {llms[0].engine.dtype} threads {args.threads}")
     for llm in llms.values():       # warm-up
-        run_once(llm, prompts(1, 99), 8)
+        run_once(llm, [{"prompt_token_ids": [1, 2, 3, 4]}], 8)
 
     rows, results = [], {}
-    for b in batches:
-        times = {k: [] for k in modes}
-        outputs: dict[int, list] = {}
-        spec_before = {k: dict(llms[k].stats()) for k in ks}
-        for rep in range(args.reps):
-            convs = prompts(b, rep * b)
-            for k in modes:
-                dt, toks = run_once(llms[k], convs, args.max_tokens)
-                times[k].append(dt)
-                outputs.setdefault(k, []).extend(toks)
-        ntok = b * args.max_tokens
-        base = ntok / statistics.median(times[0])
-        for k in modes:
-            tps = ntok / statistics.median(times[k])
-            same = sum(a == c for a, c in zip(outputs[0], outputs[k], strict=True))
-            entry = {"batch": b, "k": k, "tokens_per_s": round(tps, 2),
-                     "speedup": round(tps / base, 3),
-                     "identical": f"{same}/{len(outputs[0])}"}
-            if k:
-                st, st0 = llms[k].stats(), spec_before[k]
-                drafts = st["spec_num_drafts"] - st0["spec_num_drafts"]
-                acc = st["spec_num_accepted_tokens"] - st0["spec_num_accepted_tokens"]
-                entry["acceptance_length"] = round(1 + acc / drafts, 3) if drafts else None
-                entry["acceptance_per_position(cumulative)"] = [
-                    round(r, 3) if r is not None else None
-                    for r in st["spec_acceptance_rate_per_position"]]
-            results[f"b{b}_k{k}"] = entry
-            rows.append([b, "off" if k == 0 else f"MTP k={k}", f"{tps:.1f}",
-                         f"{tps / base:.2f}x", entry.get("acceptance_length", "-"),
-                         entry["identical"]])
-            print(entry, flush=True)
+    for name, prompts in sets.items():
+        for b in batches:
+            measure_speed(llms, name, prompts, b, ks, args.reps, args.max_tokens, rows,
+                          results)
     print()
-    print(md_table(["batch", "mode", "tokens/s", "vs off", "acceptance length",
+    print(md_table(["set", "batch", "mode", "tokens/s", "vs off", "acceptance length",
                     "identical to off"], rows))
-    if args.acceptance_prompts and ks:
-        results["acceptance"] = measure_acceptance(llms, ks, args.acceptance_prompts,
-                                                   args.max_tokens)
+    if not args.no_acceptance and ks:
+        results["acceptance"] = measure_acceptance(llms, ks, sets, args.max_tokens)
     if args.graph:      # every verify batch should replay: fallbacks are the prompts only
         for k, llm in llms.items():
             st = llm.stats()

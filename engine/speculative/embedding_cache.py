@@ -9,7 +9,11 @@ The cache keeps them as one entry (start, hidden[n, H]):
 - after a verify that accepted `a` drafts: positions [p, p + a], the current token's and
   the accepted drafts' hidden states (a + 1 rows); the next step's first draft step runs
   over exactly these rows, with the tokens that followed them (the accepted drafts and the
-  bonus token), which also overwrites whatever the rejected drafts left in the draft KV.
+  bonus token), which also overwrites whatever the rejected drafts left in the draft KV;
+- a step that did not draft (no room left) leaves its entry pending and after_verify
+  appends the new rows to it, and a sequence that finishes has the draft run over its
+  pending rows (MTPWorker.finish_drafts): no verified position's draft K/V is skipped,
+  also in blocks the prefix cache hands to later requests.
 """
 
 from __future__ import annotations
