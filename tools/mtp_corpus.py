@@ -1,10 +1,13 @@
-"""The self-distillation corpus for tools/train_mtp.py: chat prompts on many topics and the
-model's own greedy answers to them, generated with pdserve's engine.
+"""The self-distillation corpus for tools/train_mtp.py: chat prompts on many topics (parts
+1-3), raw-text openings without a chat template (part 4, tools/mtp_raw.py), and the model's
+own greedy continuations of them (ignore_eos, as bench/spec_decode.py decodes), generated
+with pdserve's engine.
 
-Weighted to what speculative decoding is measured on (bench/spec_decode.py: greedy chat
-answers, ignore_eos): every prompt is a chat request, answered greedily with ignore_eos.
-The bench's topics and the training script's held-out topics are kept out of the training
-topics (checked at import).
+Held out, for the training's evaluation: chat requests on HELD_OUT_TOPICS and
+tools/mtp_raw.py's held-out raw openings. The bench's chat topics and the held-out topics
+are kept out of the training topics (checked at import); the raw held-out openings share
+no subject or code task with the training ones (checked at import and by
+tests/unit/test_mtp_raw.py).
 """
 
 from __future__ import annotations
@@ -111,6 +114,10 @@ EXTRA_CHAT = ["Can you explain how {t} works?", "Write a letter to a friend abou
               "Compare {t} with something similar.", "Write a short essay on {t}."]
 
 
+RAW_COUNT = 2400          # part 4's raw-text openings
+RAW_HELD_OUT = 64         # held-out raw-text openings (tools/mtp_raw.py held_out_raw_texts)
+
+
 def _bench_topics() -> list[str]:
     try:
         from bench.spec_decode import TOPICS as bench_topics
@@ -149,13 +156,17 @@ def unused_prompts(topics: list[str], templates: list[str], tokenizer,
             if (t, tmpl) not in used]
 
 
-def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts: int
-                   ) -> tuple[list[list[list[int]]], list[list[int]]]:
-    """(training prompts of each corpus part, held-out prompts), drawn from `seed` in a
-    fixed order, so a part's cached answers stay valid when later parts are added.
+def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts,
+                   raw_count: int = RAW_COUNT
+                   ) -> tuple[dict[int, list[list[int]]], list[list[int]], list[list[int]]]:
+    """({part: training prompts} for the parts asked for, held-out chat prompts, held-out
+    raw-text prompts), drawn from `seed` in a fixed order, so a part's prompts (and cached
+    answers) do not depend on which other parts are asked for.
     Part 1: TOPICS x CHAT, `per_topic` each; part 2: EXTRA_TOPICS x (CHAT + EXTRA_CHAT),
     `per_topic` + 2 each, and TOPICS x EXTRA_CHAT, 6 each; part 3: every pair of
-    (TOPICS + EXTRA_TOPICS) x (CHAT + EXTRA_CHAT) not drawn yet."""
+    (TOPICS + EXTRA_TOPICS) x (CHAT + EXTRA_CHAT) not drawn yet; part 4: `raw_count`
+    raw-text openings (tools/mtp_raw.py, no chat template, from seed + 4)."""
+    from tools.mtp_raw import HELD_OUT_SEED, raw_prompts
     rng, used = random.Random(seed), set()
     topics = TOPICS[:num_topics]
     p1 = chat_prompts(topics, CHAT, tokenizer, per_topic, rng, used)
@@ -163,7 +174,11 @@ def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts:
     p2 = (chat_prompts(EXTRA_TOPICS, CHAT + EXTRA_CHAT, tokenizer, per_topic + 2, rng, used)
           + chat_prompts(topics, EXTRA_CHAT, tokenizer, 6, rng, used))
     p3 = unused_prompts(topics + EXTRA_TOPICS, CHAT + EXTRA_CHAT, tokenizer, used)
-    return [p1, p2, p3][:parts], held
+    out = {1: p1, 2: p2, 3: p3}
+    if 4 in parts:
+        out[4] = raw_prompts(tokenizer, seed + 4, raw_count)
+    held_raw = raw_prompts(tokenizer, HELD_OUT_SEED, RAW_HELD_OUT, held_out=True)
+    return {k: out[k] for k in sorted(parts)}, held, held_raw
 
 
 def _encode(tokenizer, request: str) -> list[int]:

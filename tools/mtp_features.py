@@ -1,7 +1,7 @@
 """Target features for tools/train_mtp.py: the corpus (tools/mtp_corpus.py, generated
 once per part and cached), and the target's final hidden states and top-K next-token
-log-probs at every position, computed once with dense causal attention and cached; a
-cache made from fewer corpus parts is extended with the new parts' rows."""
+log-probs at every position, computed once with dense causal attention and cached (the
+cache remembers the arguments it was made from)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ class DenseCausal:
 
     def __init__(self, scale: float):
         self.scale, self.shape, self.mode, self.kv1 = scale, (0, 0), 1, None
+
+    def prepare(self, meta, k_cache):
+        """The model's once-per-forward plan: nothing to plan for dense attention."""
+        return meta
 
     def __call__(self, q, k, v, k_cache, v_cache, meta):
         b, t = self.shape
@@ -48,6 +52,7 @@ def target_features(model, seqs: list[tuple[list[int], int]], seq_len: int, topk
     next-token log-probs and ids at every position."""
     scale = model.config.head_dim ** -0.5
     dense = DenseCausal(scale)
+    model.attention = dense
     for layer in model.layers:
         layer.self_attn.backend = dense
     toks = torch.zeros(len(seqs), seq_len, dtype=torch.int64)
@@ -93,88 +98,67 @@ def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
     return rms(seen["x"]), rms(h)
 
 
-def build_corpus(args, tok) -> tuple[list[tuple[list[int], int]], int]:
-    """(training sequences of every part, then the held-out ones; number of training
-    sequences). Each part's answers are cached beside --corpus-cache (part 1 in that
-    file with the held-out answers, part k > 1 in <stem>-part<k>.pt)."""
-    parts, held = corpus_prompts(tok, args.seed, args.num_topics, args.templates_per_topic,
-                                 args.corpus_parts)
+def build_corpus(args, tok) -> tuple[list[tuple[list[int], int]], int, int]:
+    """(training sequences of every part asked for, then the held-out chat ones, then the
+    held-out raw-text ones; number of training sequences; number of held-out chat ones).
+    Each part's answers are cached beside --corpus-cache (part k in <stem>-part<k>.pt, the
+    held-out sets in <stem>-held.pt)."""
+    parts, held_chat, held_raw = corpus_prompts(tok, args.seed, args.num_topics,
+                                                args.templates_per_topic, args.parts,
+                                                args.raw_count)
     base = Path(args.corpus_cache) if args.corpus_cache else None
     train: list = []
-    held_seqs: list = []
-    for k, prompts in enumerate(parts, start=1):
-        path = (None if base is None else
-                base if k == 1 else base.with_name(f"{base.stem}-part{k}.pt"))
+    named = [(f"part{k}", p) for k, p in parts.items()] + [("held", held_chat + held_raw)]
+    for name, prompts in named:
+        path = None if base is None else base.with_name(f"{base.stem}-{name}.pt")
         if path is not None and path.is_file():
             got = torch.load(path)
         else:
-            extra = held if k == 1 else []
-            got = generate_corpus(args.model, prompts + extra, args.max_new,
-                                  args.gen_dtype, args.gen_batch)
-            got = (got, len(prompts)) if k == 1 else got
+            got = generate_corpus(args.model, prompts, args.max_new, args.gen_dtype,
+                                  args.gen_batch)
             if path is not None:
                 torch.save(got, path)
-        if k == 1:
-            seqs1, n1 = got
-            train += seqs1[:n1]
-            held_seqs = seqs1[n1:]
-        else:
+        if [s[:p] for s, p in got] != prompts:
+            raise ValueError(f"the corpus cache {path} does not hold these prompts")
+        if name != "held":
             train += got
-    return train + held_seqs, len(train)
+    return train + got, len(train), len(held_chat)
 
 
-def extend_features(args, model, seqs, n_train: int, cached, n_cached: int):
-    """Features of a grown corpus from a cache of its first parts: the cached training
-    rows, the new parts' rows computed at the cache's length, the cached held-out rows."""
-    *old, scale = cached
-    seq_len = old[0].shape[1]
-    new = target_features(model, seqs[n_cached:n_train], seq_len, args.topk,
-                          args.feature_batch)
-    merged = [torch.cat((o[:n_cached], x, o[n_cached:])) for o, x in zip(old, new,
-                                                                          strict=True)]
-    return (*merged, scale)
-
-
-def build_features(args, tok, cached=None, n_cached: int = 0):
-    """(toks, gen, hid, top_lp, top_id, residual scales), number of training sequences."""
-    seqs, n_train = build_corpus(args, tok)
+def build_features(args, tok):
+    """(toks, gen, hid, top_lp, top_id, residual scales), number of training sequences,
+    number of held-out chat sequences (the held-out raw-text ones follow them)."""
+    seqs, n_train, n_chat = build_corpus(args, tok)
     n_gen = sum(len(s) - p for s, p in seqs[:n_train])
     print(f"corpus: {n_train} training sequences ({n_gen} generated tokens, "
-          f"{sum(len(s) for s, _ in seqs[:n_train])} in all), {len(seqs) - n_train} "
-          "held out", flush=True)
+          f"{sum(len(s) for s, _ in seqs[:n_train])} in all), {n_chat} + "
+          f"{len(seqs) - n_train - n_chat} held out (chat + raw)", flush=True)
     seq_len = min(args.seq_len, max(len(s) for s, _ in seqs))
     model, _ = load_model(args.model, getattr(torch, args.feature_dtype), torch.device("cpu"))
-    if cached is not None:
-        toks = cached[0]
-        n_held = toks.shape[0] - n_cached
-        if n_held != len(seqs) - n_train or not _same_rows(toks, seqs[:n_cached]
-                                                           + seqs[n_train:]):
-            raise ValueError("the feature cache does not hold this corpus's first parts")
-        return extend_features(args, model, seqs, n_train, cached, n_cached), n_train
     data = target_features(model, seqs, seq_len, args.topk, args.feature_batch)
     model.float()
-    return (*data, residual_scale(model, data[0][:2])), n_train
+    return (*data, residual_scale(model, data[0][:2])), n_train, n_chat
 
 
-def _same_rows(toks: torch.Tensor, seqs) -> bool:
-    return all(toks[i, :min(len(s), toks.shape[1])].tolist() == s[:toks.shape[1]]
-               for i, (s, _) in enumerate(seqs))
+def cache_key(args) -> dict:
+    """What a feature cache was made from; a cache with another key is rebuilt."""
+    return {k: getattr(args, k) for k in ("parts", "seed", "num_topics",
+                                          "templates_per_topic", "raw_count", "max_new",
+                                          "gen_dtype", "feature_dtype", "seq_len", "topk")}
 
 
 def load_or_build_features(args, tok):
-    """((toks, gen, hid, top_lp, top_id, residual scales), number of training sequences),
-    from --cache when it holds this corpus, extended when it holds its first parts."""
+    """((toks, gen, hid, top_lp, top_id, residual scales), number of training sequences,
+    number of held-out chat sequences), from --cache when it was made from these
+    arguments, else built (and saved there)."""
     cache = Path(args.cache) if args.cache else None
     if cache is not None and cache.is_file():
-        data, n_train = torch.load(cache)
-        want = sum(len(p) for p in corpus_prompts(tok, args.seed, args.num_topics,
-                                                  args.templates_per_topic,
-                                                  args.corpus_parts)[0])
-        if n_train == want:
-            return data, n_train
-        data, n_train = build_features(args, tok, data, n_train)   # fewer parts cached
-    else:
-        data, n_train = build_features(args, tok)
+        got = torch.load(cache)
+        if isinstance(got, dict) and got.get("key") == cache_key(args):
+            return got["data"], got["n_train"], got["n_chat"]
+        print(f"{cache} was made from other arguments: rebuilding", flush=True)
+    data, n_train, n_chat = build_features(args, tok)
     if cache is not None:
-        torch.save((data, n_train), cache)
-    return data, n_train
+        torch.save({"key": cache_key(args), "data": data, "n_train": n_train,
+                    "n_chat": n_chat}, cache)
+    return data, n_train, n_chat

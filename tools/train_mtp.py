@@ -1,13 +1,16 @@
 """Train an MTP draft head for a model by self-distillation from the model's own outputs.
 
-No data is downloaded: the corpus is the model's own greedy answers to chat requests
-(tools/mtp_corpus.py; the bench's topics and 12 held-out ones are kept out), generated
-with pdserve's engine in bfloat16 at batch 256, ignore_eos, as the bench decodes, in
-three parts (`corpus_prompts`): 1,504 requests on 188 topics in 10 styles; 2,638 on 151
-more topics and 10 more styles; then the 2,638 (topic, style) pairs not drawn yet: 6,780
-requests, ~870k generated tokens. Then, once: the target's final hidden states h_t (the
-tensor the engine hands the draft) and its top-K next-token distributions at every
-position are computed and kept (a feature cache made from fewer parts is extended).
+No data is downloaded: the corpus is the model's own greedy continuations
+(tools/mtp_corpus.py), generated with pdserve's engine in bfloat16 at batch 256,
+ignore_eos, as the bench decodes, in four parts (`corpus_prompts`, each cached on its
+own): chat requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics
+and 10 more styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text
+openings without a chat template (tools/mtp_raw.py: code in 12 languages and forms,
+prose, lists, dialogue, questions). Held out, for the agreement printed after every
+epoch: 48 chat requests on 12 topics kept out of training and 64 raw openings whose
+subjects and code tasks no training opening uses. Then, once: the target's final hidden
+states h_t (the tensor the engine hands the draft) and its top-K next-token distributions
+at every position are computed and kept (--cache, rebuilt when the arguments change).
 Only the head trains: at row t it sees (h_t, x_{t+1}) and learns the target's
 distribution at t+1, the prediction of x_{t+2}; a second, unrolled step feeds the head's
 own hidden state back with x_{t+2} (as the engine's later draft steps do) and learns the
@@ -15,18 +18,19 @@ distribution at t+2. The loss and the held-out agreement count only rows whose i
 token is a generated one (that is where the engine drafts), not the prompt or template.
 
 The decoder layer starts as a copy of the target's last layer and shared_head.norm as its
-final norm. The result is a small safetensors file under DeepSeek-V3 keys
-(model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
+final norm, or (--init) as a head trained before. The result is a small safetensors file
+under DeepSeek-V3 keys (model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
-The shipped head (launch/assets/smollm2_mtp.safetensors) was made with the
-defaults, two torch threads, on the 2-core development box:
+The head before issue 15 was made from chat parts 1-3 with the defaults otherwise, two
+torch threads (~55 min):
 
     python tools/train_mtp.py --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
-        --out launch/assets/smollm2_mtp.safetensors --threads 2 \
+        --out launch/assets/smollm2_mtp.safetensors --threads 2 --parts 1,2,3 \
         --corpus-cache /tmp/mtp3/corpus.pt --cache /tmp/mtp3/feat.pt
 
-(the caches only skip regenerating the corpus / recomputing features on a rerun; the
-timings of the first run are in docs/PERFORMANCE.md).
+Issue 15's run continues that head on chat part 1 and the raw part (one epoch); the
+command and its cost are in docs/PERFORMANCE.md, "Speculative decoding (MTP)". The
+caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.loader import load_model  # noqa: E402
-from engine.models.mtp import DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
-from tools.mtp_corpus import TOPICS  # noqa: E402
+from engine.models.mtp import _FUSED, _PARTS, DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
+from tools.mtp_corpus import RAW_COUNT, TOPICS  # noqa: E402
 from tools.mtp_features import DenseCausal, load_or_build_features  # noqa: E402
 
 
@@ -69,6 +73,24 @@ def init_from_target(mtp: MTPModule, model, scales: tuple[float, float]) -> None
         w[:, h:] += r_rms * h_rms * torch.eye(h)
         w[:, :h] += 0.1 * r_rms * torch.eye(h)
         mtp.eh_proj.weight.copy_(w)
+
+
+def load_head(mtp: MTPModule, path: str, prefix: str) -> None:
+    """Weights of a head written by this script (DeepSeek-V3 keys under `prefix`)."""
+    from safetensors.torch import load_file
+    saved = load_file(path)
+    names = mtp.hf_state_dict(prefix)
+    state = {}
+    for name, p in mtp.state_dict().items():
+        top = name.split(".", 1)[0]
+        if top != "layer":
+            state[name] = saved[prefix + _PARTS[top][0] + name[len(top):]]
+            continue
+        module, leaf = name[len("layer."):].rsplit(".", 1)
+        keys = [f"{prefix}{part}.{leaf}" for part in _FUSED.get(module, (module,))]
+        assert all(k in names for k in keys), keys
+        state[name] = torch.cat([saved[k] for k in keys]).to(p.dtype)
+    mtp.load_state_dict({k: v.float() for k, v in state.items()})
 
 
 def draft_vocabulary(toks: torch.Tensor, mask: torch.Tensor, size: int, first_ids: int,
@@ -154,9 +176,20 @@ def evaluate(mtp, dense, data, idx) -> tuple[float, float]:
     return hits1 / max(n, 1), hits2 / max(hits1, 1)
 
 
-def train(args, mtp, dense, data, n_train, vocab_size, rng, held: list[int]) -> None:
-    """AdamW, warm-up then cosine to 5% of the LR. The held-out agreement is printed after
-    every epoch and the head keeps the weights of the best epoch (by step 1)."""
+def evaluate_sets(mtp, dense, data, held: dict[str, list[int]]) -> dict[str, tuple]:
+    return {name: evaluate(mtp, dense, data, idx) for name, idx in held.items()}
+
+
+def describe(scores: dict[str, tuple]) -> str:
+    return "; ".join(f"{name}: step1 {a1:.3f} step2|step1 {a2:.3f}"
+                     for name, (a1, a2) in scores.items())
+
+
+def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list[int]]
+          ) -> None:
+    """AdamW, warm-up then cosine to 5% of the LR. The agreement on each held-out set is
+    printed after every epoch and the head keeps the weights of the best epoch (by the
+    sum of the sets' step-1 agreements)."""
     toks, gen, hid, top_lp, top_id = data
     best, best_state = -1.0, None
     opt = torch.optim.AdamW(mtp.parameters(), lr=args.lr, weight_decay=0.0)
@@ -198,8 +231,9 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: list[int]) -> 
             bar.update(1)
             ema = l1.item() if ema is None else 0.98 * ema + 0.02 * l1.item()
             bar.set_postfix(loss1=f"{ema:.3f}")
-        a1, a2 = evaluate(mtp, dense, data, held)
-        tqdm.write(f"epoch {epoch + 1}: held-out agreement step1 {a1:.3f} step2|step1 {a2:.3f}")
+        scores = evaluate_sets(mtp, dense, data, held)
+        tqdm.write(f"epoch {epoch + 1}: held-out agreement {describe(scores)}")
+        a1 = sum(a for a, _ in scores.values())
         if a1 > best:
             best, best_state = a1, {k: v.clone() for k, v in mtp.state_dict().items()}
     bar.close()
@@ -212,8 +246,15 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="safetensors file to write (bf16)")
     ap.add_argument("--num-topics", type=int, default=len(TOPICS))
     ap.add_argument("--templates-per-topic", type=int, default=8)
-    ap.add_argument("--corpus-parts", type=int, default=3, choices=(1, 2, 3),
-                    help="corpus parts to train on (tools/mtp_corpus.py corpus_prompts)")
+    ap.add_argument("--parts", type=lambda v: sorted({int(x) for x in v.split(",")}),
+                    default=[1, 2, 3, 4], help="corpus parts to train on, of 1-4 "
+                    "(tools/mtp_corpus.py corpus_prompts; 4 = raw-text openings)")
+    ap.add_argument("--raw-count", type=int, default=RAW_COUNT,
+                    help="raw-text openings in part 4")
+    ap.add_argument("--init", help="start from this head (safetensors) instead of the "
+                                   "target's last layer")
+    ap.add_argument("--features-only", action="store_true",
+                    help="stop once the corpus and its features are built (and cached)")
     ap.add_argument("--max-new", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument("--gen-dtype", default="bfloat16", help="dtype the corpus is made in")
     ap.add_argument("--gen-batch", type=int, default=256)
@@ -247,7 +288,7 @@ def main() -> int:
 
     from engine.tokenizer import Tokenizer
     tok = Tokenizer(args.model)
-    data, n_train = load_or_build_features(args, tok)
+    data, n_train, n_chat = load_or_build_features(args, tok)
     toks, gen, hid, top_lp, top_id, scale = data
     data = data[:5]
     print(f"features ready: {n_train} training sequences, {int(gen[:n_train].sum())} "
@@ -258,16 +299,21 @@ def main() -> int:
         p.requires_grad_(False)
     dense = DenseCausal(cfg.head_dim ** -0.5)
     mtp = MTPModule(cfg, model.embed_tokens, model.lm_head, dense)
-    init_from_target(mtp, model, scale)
-    held = list(range(n_train, toks.shape[0]))
-    a1, a2 = evaluate(mtp, dense, data, held)
-    print(f"held-out top-1 agreement on generated positions before training: step1 "
-          f"{a1:.3f} step2|step1 {a2:.3f}", flush=True)
+    if args.features_only:
+        return 0
+    if args.init:
+        load_head(mtp, args.init, f"model.layers.{cfg.num_hidden_layers}.")
+    else:
+        init_from_target(mtp, model, scale)
+    held = {"chat": list(range(n_train, n_train + n_chat)),
+            "raw": list(range(n_train + n_chat, toks.shape[0]))}
+    print("held-out top-1 agreement on generated positions before training: "
+          f"{describe(evaluate_sets(mtp, dense, data, held))}", flush=True)
     t1 = time.time()
     train(args, mtp, dense, data, n_train, cfg.vocab_size, rng, held)
-    a1, a2 = evaluate(mtp, dense, data, held)
-    print(f"held-out top-1 agreement on generated positions after training: step1 "
-          f"{a1:.3f} step2|step1 {a2:.3f} (training {time.time() - t1:.0f}s)", flush=True)
+    scores = evaluate_sets(mtp, dense, data, held)
+    print(f"held-out top-1 agreement on generated positions after training: "
+          f"{describe(scores)} (training {time.time() - t1:.0f}s)", flush=True)
 
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     tensors = {k: v.detach().to(torch.bfloat16).contiguous()
@@ -282,7 +328,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pdserve-mtp", "target": Path(args.model).name,
             "num_hidden_layers": str(cfg.num_hidden_layers),
-            "heldout_top1_step1": f"{a1:.4f}", "heldout_top1_step2_given_1": f"{a2:.4f}",
+            **{f"heldout_{name}_top1_step{j + 1}": f"{a[j]:.4f}"
+               for name, a in scores.items() for j in range(2)},
             "args": json.dumps(vars(args))}
     save_file(tensors, str(out), metadata=meta)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f}s")
