@@ -10,6 +10,15 @@ transformers on the GPU (eager and graph-replayed decode), then graph-decode tim
    eager against graph (which must be identical: the same kernels on the same rows).
 2. `bench/graph_decode.py` on the SmolLM2-shaped model in bfloat16 at batch 1, 8, 32
    and 64.
+3. MTP speculative decoding (`speculative_method="mtp"`): for each of --mtp-models, a
+   copy with random MTP draft weights (tests/tiny_mtp.py); greedy tokens of plain eager
+   decode (MTP off) against MTP k=1 and k=3, eager and graph-replayed (verify rows
+   through graphs), which must be identical; with the acceptance and graph counters.
+   Random drafts are almost never accepted, so each mode runs a second time with a
+   scripted draft (the MTP still runs; its proposals are replaced by plain eager's
+   tokens, a third of them wrong): full, partial and zero acceptance runs through graphs.
+
+--sections picks among exactness,timing,mtp (all by default).
 
 Made for the GPU machine of this workplace (no internet, no default model there): it
 needs only torch, transformers and this checkout.
@@ -18,7 +27,9 @@ needs only torch, transformers and this checkout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import random
 import subprocess
 import sys
 import tempfile
@@ -52,13 +63,18 @@ def hf_tokens(model, prompts: list[list[int]], device: str) -> list[list[int]]:
     return out
 
 
-def ours_tokens(folder: Path, prompts: list[list[int]], graph: bool, device: str
+def ours_tokens(folder: Path, prompts: list[list[int]], graph: bool, device: str,
+                stats: dict | None = None, script: dict | None = None, **kw
                 ) -> list[list[int]]:
     llm = LLM(folder, device=device, dtype="float32", enable_graph=graph,
-              kv_cache_memory_gb=1.0)
+              kv_cache_memory_gb=1.0, **kw)
+    if script is not None:
+        llm.engine.speculative.propose = ScriptedDraft(llm.engine.speculative, script)
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if stats is not None:
+        stats.update(llm.stats())
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -87,24 +103,83 @@ def exactness(root: Path, device: str, names: list[str]) -> list[dict]:
     return rows
 
 
+class ScriptedDraft:
+    """The MTP's proposals replaced by a known continuation (prompt -> plain eager's
+    tokens), each draft token wrong with probability 1/3 (seeded by prompt and position)."""
+
+    def __init__(self, worker, script: dict):
+        self.real, self.script = worker.propose, script
+
+    def __call__(self, seqs, num_drafts):
+        _, probs = self.real(seqs, num_drafts)      # the draft's K/V path still runs
+        probs = torch.zeros_like(probs) if probs is not None else None
+        drafts = []
+        for i, (s, k) in enumerate(zip(seqs, num_drafts, strict=True)):
+            n = s.num_output_tokens
+            cont = self.script[tuple(s.prompt_token_ids)][n:n + k]
+            cont = cont + [0] * (k - len(cont))
+            rng = random.Random(n * 1000 + len(s.prompt_token_ids))
+            d = [(t + 1) % 64 if rng.random() < 1 / 3 else t for t in cont]
+            drafts.append(d)
+            if probs is not None:
+                probs[i, torch.arange(k), torch.tensor(d, dtype=torch.long)] = 1.0
+        return drafts, probs
+
+
+def mtp_check(root: Path, device: str, names: list[str]) -> list[dict]:
+    from tests.tiny_mtp import with_mtp
+    rows = []
+    for name in names:
+        base, hf = make_tiny_model(name, root)
+        add_tiny_tokenizer(base)
+        folder = with_mtp(base, root / f"{name}-mtp")
+        prompts = random_prompts(8, [5, 17, 33, 64], hf.config.vocab_size, seed=1)
+        del hf
+        plain = ours_tokens(folder, prompts, False, device)      # MTP off
+        script = {tuple(p): t for p, t in zip(prompts, plain, strict=True)}
+        for draft, k, graph in itertools.product(("random", "scripted"), (1, 3), (False, True)):
+            st: dict = {}
+            toks = ours_tokens(folder, prompts, graph, device, stats=st,
+                               script=script if draft == "scripted" else None,
+                               speculative_method="mtp", num_speculative_tokens=k)
+            row = {"model": name, "draft": draft, "k": k, "graph": graph,
+                   "eq_plain_eager": sum(a == b for a, b in zip(toks, plain, strict=True)),
+                   "acceptance_length": st.get("spec_acceptance_length"),
+                   "accepted_per_position": st.get("spec_num_accepted_per_position"),
+                   "proposed_per_position": st.get("spec_num_proposed_per_position"),
+                   "graph_replays": st.get("graph_replays"),
+                   "graph_fallbacks": st.get("graph_fallbacks")}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--models", default=",".join([*CONFIGS, "smollm2-shape"]))
     ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--sections", default="exactness,timing,mtp")
+    ap.add_argument("--mtp-models", default="llama-tied-gqa,qwen2-gqa4,qwen3-qknorm-hd24")
     args = ap.parse_args()
+    sections = args.sections.split(",")
     out = Path(args.out)
     print(torch.__version__, torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = exactness(Path(tmp), args.device, args.models.split(","))
-        (out / "cuda_exactness.json").write_text(json.dumps(rows, indent=1))
+        if "exactness" in sections:
+            rows = exactness(Path(tmp), args.device, args.models.split(","))
+            (out / "cuda_exactness.json").write_text(json.dumps(rows, indent=1))
+        if "mtp" in sections:
+            rows = mtp_check(Path(tmp), args.device, args.mtp_models.split(","))
+            (out / "cuda_mtp.json").write_text(json.dumps(rows, indent=1))
         folder = Path(tmp) / "smollm2-shape"
-        subprocess.run([sys.executable, str(ROOT / "bench" / "graph_decode.py"),
-                        "--device", args.device, "--dtype", "bfloat16", "--model", str(folder),
-                        "--batches", args.batches, "--steps", "32",
-                        "--json", str(out / "graph_decode_cuda.json")], check=False)
+        if "timing" in sections and folder.is_dir():
+            subprocess.run([sys.executable, str(ROOT / "bench" / "graph_decode.py"),
+                            "--device", args.device, "--dtype", "bfloat16", "--model", str(folder),
+                            "--batches", args.batches, "--steps", "32",
+                            "--json", str(out / "graph_decode_cuda.json")], check=False)
     return 0
 
 
