@@ -17,8 +17,12 @@ transformers on the GPU (eager and graph-replayed decode), then graph-decode tim
    Random drafts are almost never accepted, so each mode runs a second time with a
    scripted draft (the MTP still runs; its proposals are replaced by plain eager's
    tokens, a third of them wrong): full, partial and zero acceptance runs through graphs.
+4. PD PUSH (bench/cuda_check_pd.py): for each of --pd-models, a prefill node and a decode
+   node in one process (tests/unit/pd_harness.PdPair), both on the device, KV over the
+   in-process transport and over the raw-TCP data plane, decode eager and graph-replayed:
+   greedy tokens against HF's and a single-node LLM's.
 
---sections picks among exactness,timing,mtp (all by default).
+--sections picks among exactness,timing,mtp,pd (all by default).
 
 Made for the GPU machine of this workplace (no internet, no default model there): it
 needs only torch, transformers and this checkout.
@@ -40,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.cuda_check_pd import PD_MODELS, pd_check  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.tiny_models import CONFIGS, make_tiny_model, random_prompts  # noqa: E402
@@ -160,8 +165,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     ap.add_argument("--models", default=",".join([*CONFIGS, "smollm2-shape"]))
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--sections", default="exactness,timing,mtp")
+    ap.add_argument("--sections", default="exactness,timing,mtp,pd")
     ap.add_argument("--mtp-models", default="llama-tied-gqa,qwen2-gqa4,qwen3-qknorm-hd24")
+    ap.add_argument("--pd-models", default=PD_MODELS)
     args = ap.parse_args()
     sections = args.sections.split(",")
     out = Path(args.out)
@@ -174,6 +180,10 @@ def main() -> int:
         if "mtp" in sections:
             rows = mtp_check(Path(tmp), args.device, args.mtp_models.split(","))
             (out / "cuda_mtp.json").write_text(json.dumps(rows, indent=1))
+        if "pd" in sections:
+            rows = pd_check(Path(tmp), args.device, args.pd_models.split(","), hf_tokens,
+                            MAX_NEW)
+            (out / "cuda_pd.json").write_text(json.dumps(rows, indent=1))
         folder = Path(tmp) / "smollm2-shape"
         if "timing" in sections and folder.is_dir():
             subprocess.run([sys.executable, str(ROOT / "bench" / "graph_decode.py"),
