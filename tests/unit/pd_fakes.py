@@ -23,6 +23,25 @@ def model_next(tokens: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + 7) % 300 + 3
 
 
+async def scripted_tokens(request, context, die_after: int | None = None,
+                          hang_after: int | None = None):
+    """The scripted model's tokens for `request` as DecodeEvents, one every 10 ms;
+    `die_after=i` aborts with UNAVAILABLE before token i, `hang_after=i` goes silent."""
+    tokens = list(request.prompt_token_ids)
+    max_tokens = request.sampling.max_tokens
+    for i in range(max_tokens):
+        if die_after is not None and i == die_after:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
+        if hang_after is not None and i == hang_after:
+            await asyncio.sleep(3600)          # a hung process: alive, silent
+        tokens.append(model_next(tokens))
+        last = i == max_tokens - 1
+        yield node_pb2.DecodeEvent(tokens=node_pb2.TokenEvent(
+            token_ids=[tokens[-1]],
+            finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0))
+        await asyncio.sleep(0.01)
+
+
 class Shared:
     def __init__(self):
         self.prefilled: dict[str, asyncio.Event] = {}
@@ -65,24 +84,14 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
             reservation_id=f"res-{request.request_id}", block_ids=[5, 6, 7],
             num_cached_blocks=1, lease_ms=request.lease_ms,
             push_token=f"token-{request.request_id}".encode()))
-        tokens = list(request.prompt_token_ids)
-        max_tokens = request.sampling.max_tokens
         try:
             await self.shared.event(request.request_id).wait()
             if request.request_id in self.shared.prefill_failed:
                 await RpcFailure(grpc.StatusCode.ABORTED, "prefill failed: see the prefill",
                                  PREFILL).abort(context)
-            for i in range(max_tokens):
-                if self.die_after is not None and i == self.die_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
-                if self.hang_after is not None and i == self.hang_after:
-                    await asyncio.sleep(3600)          # a hung process: alive, silent
-                tokens.append(model_next(tokens))
-                last = i == max_tokens - 1
-                yield node_pb2.DecodeEvent(tokens=node_pb2.TokenEvent(
-                    token_ids=[tokens[-1]],
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0))
-                await asyncio.sleep(0.01)
+            async for event in scripted_tokens(request, context, self.die_after,
+                                               self.hang_after):
+                yield event
         except asyncio.CancelledError:
             self.shared.cancelled.append(request.request_id)
             raise

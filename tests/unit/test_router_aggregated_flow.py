@@ -5,12 +5,10 @@ choice of the less loaded unit, and readiness (a pair or an aggregated node)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
-from protos import common_pb2, node_pb2, node_pb2_grpc
+from protos import node_pb2, node_pb2_grpc
 from router.aggregated_flow import AGGREGATED, pick_unit
 from router.errors import NoNodeAvailable
 from router.metrics import RouterMetrics
@@ -27,7 +25,7 @@ from tests.unit.pd_fakes import (
     _expected,
     _run,
     _serve,
-    model_next,
+    scripted_tokens,
 )
 
 
@@ -44,17 +42,8 @@ class FakeAggregated(node_pb2_grpc.DecodeNodeServicer):
         if not request.self_prefill:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this is an aggregated node")
-        tokens = list(request.prompt_token_ids)
-        max_tokens = request.sampling.max_tokens
-        for i in range(max_tokens):
-            if self.die_after is not None and i == self.die_after:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
-            tokens.append(model_next(tokens))
-            last = i == max_tokens - 1
-            yield node_pb2.DecodeEvent(tokens=node_pb2.TokenEvent(
-                token_ids=[tokens[-1]],
-                finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0))
-            await asyncio.sleep(0.01)
+        async for event in scripted_tokens(request, context, self.die_after):
+            yield event
 
 
 async def _mixed(shared: Shared, aggregated: list[FakeAggregated], pairs: int = 0):
