@@ -87,7 +87,10 @@ class _NoCache:
 def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
     """Median RMS of the residual stream entering the target's final norm (the scale its
     last layer works at) and of the final hidden states."""
-    dense = model.layers[0].self_attn.backend
+    dense = DenseCausal(model.config.head_dim ** -0.5)
+    model.attention = dense
+    for layer in model.layers:
+        layer.self_attn.backend = dense
     dense.shape = tuple(toks.shape)
     seen = {}
     hook = model.norm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", i[0]))
@@ -136,7 +139,9 @@ def build_features(args, tok):
     seq_len = min(args.seq_len, max(len(s) for s, _ in seqs))
     model, _ = load_model(args.model, getattr(torch, args.feature_dtype), torch.device("cpu"))
     data = target_features(model, seqs, seq_len, args.topk, args.feature_batch)
-    model.float()
+    # the scales in float32 from a float32 load (a bf16 load may hold its weights
+    # prepacked for oneDNN, which .float() does not convert)
+    model, _ = load_model(args.model, torch.float32, torch.device("cpu"))
     return (*data, residual_scale(model, data[0][:2])), n_train, n_chat
 
 

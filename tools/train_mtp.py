@@ -28,9 +28,11 @@ torch threads (~55 min):
         --out launch/assets/smollm2_mtp.safetensors --threads 2 --parts 1,2,3 \
         --corpus-cache /tmp/mtp3/corpus.pt --cache /tmp/mtp3/feat.pt
 
-Issue 15's run continues that head on chat part 1 and the raw part (one epoch); the
-command and its cost are in docs/PERFORMANCE.md, "Speculative decoding (MTP)". The
-caches only skip regenerating the corpus / recomputing features on a rerun.
+With issue 15's raw part: `--parts 1,2,3,4` from scratch, or `--init
+launch/assets/smollm2_mtp.safetensors --parts 1,4 --epochs 1` to continue that head; the
+commands and the measured and estimated costs are in docs/PERFORMANCE.md, "Speculative
+decoding (MTP)" (no head has been trained on part 4 yet). The caches only skip
+regenerating the corpus / recomputing features on a rerun.
 """
 
 from __future__ import annotations
