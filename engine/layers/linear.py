@@ -46,7 +46,12 @@ class Linear(nn.Linear):
         packed = self.packed
         if packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled():
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        weight = self.weight if packed is None or self.weight.numel() else packed.to_dense()
+        weight = self.weight
+        if packed is not None and not weight.numel():
+            # the dense copy was released: rebuild it, in x's dtype (a model converted
+            # after load, e.g. .float() for training features, converts its parameters
+            # but not the packed tensor)
+            weight = packed.to_dense().to(x.dtype)
         if self.batch_invariant and x.dim() == 2:
             return padded_linear(x, weight, self.bias, self.row_multiple)
         if (x.dim() == 2 and SMALL_ROWS[0] <= x.shape[0] <= SMALL_ROWS[1]

@@ -75,6 +75,12 @@ def test_packed_bf16_equals_f_linear(rows):
         torch.testing.assert_close(packed(x.view(1, rows, 96))[0], y, rtol=0, atol=0)
     with torch.enable_grad():
         assert torch.equal(packed(x), ref)
+    # converted after load (the packed tensor is not): float32 input, float32 result
+    packed.float()
+    with torch.no_grad():
+        y32 = packed(x.float())
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, F.linear(x.float(), lin.weight.float(), lin.bias.float()))
 
 
 @needs_bf16
