@@ -45,6 +45,9 @@ class AttentionPlan:
     kv_lens: torch.Tensor | None = None
     # else the torch path's width groups
     groups: list[DecodeGroup] | None = None
+    # prefill rows through the kernel: (block table per row, KV length per row), built by
+    # the first layer that needs them and reused by the others
+    prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SdpaAttention:
@@ -98,7 +101,7 @@ class SdpaAttention:
         if plan.num_dec:
             dec = self._decode_rows(q, k_cache, v_cache, plan)
             out[:dec.shape[0]] = dec
-        self._prefill(q, k, v, k_cache, v_cache, meta, out)
+        self._prefill(q, k, v, k_cache, v_cache, plan, out)
         return out
 
     def _decode_rows(self, q, k_cache, v_cache, plan: AttentionPlan) -> torch.Tensor:
@@ -159,14 +162,15 @@ class SdpaAttention:
         o = torch.bmm(probs, vals.view(hk * b, length, d)).view(hk, b, g, rows, d)
         return o.permute(1, 3, 0, 2, 4).reshape(b * rows, hq, d)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
+    def _prefill(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, out) -> None:
+        meta = plan.meta
         if self.rowwise_prefill and k_cache.dtype in KERNEL_DTYPES:
-            return self._prefill_rowwise(q, k_cache, v_cache, meta, out)
+            return self._prefill_rowwise(q, k_cache, v_cache, plan, out)
         if (self.use_cpu_kernel and k_cache.device.type == "cpu"
                 and cpu_paged_attention.fast_bf16_rows(k_cache.dtype, k_cache.shape[3],
                                                        q.shape[1] // k_cache.shape[0])):
             # bf16 only: float32 keeps SDPA, whose rounding is HF's
-            return self._prefill_rowwise(q, k_cache, v_cache, meta, out)
+            return self._prefill_rowwise(q, k_cache, v_cache, plan, out)
         hk, _, bs, d = k_cache.shape
         tok = meta.num_decode_tokens
         first = meta.num_decodes
@@ -192,22 +196,26 @@ class SdpaAttention:
             out[tok:tok + n] = o[0].transpose(0, 1)
             tok += n
 
-    def _prefill_rowwise(self, q, k_cache, v_cache, meta: AttentionMetadata, out) -> None:
+    def _prefill_rowwise(self, q, k_cache, v_cache, plan: AttentionPlan, out) -> None:
         """Prefill rows through the paged kernel: each new token is a decode row of KV
         length position+1 (its K/V are in the cache already), so its attention is computed
         exactly as it would be in any other chunking, batch or decode step (SDPA's
         blocking depends on the query and KV lengths of the call, which vary with those:
         batch-invariant mode needs this). In bf16 with the kernel's AVX512-BF16 path it
         is also ~3x faster than SDPA."""
+        meta = plan.meta
         first, tok0 = meta.num_decodes, meta.num_decode_tokens
         seqs = range(first, first + meta.num_prefills)
-        counts = [meta.query_lens_host[i] for i in seqs]
-        tables = meta.block_tables[first:first + meta.num_prefills].repeat_interleave(
-            torch.tensor(counts, device=meta.block_tables.device), dim=0).contiguous()
-        kv_lens = torch.tensor([c + j + 1 for i in seqs
-                                for c in (meta.context_lens_host[i],)
-                                for j in range(meta.query_lens_host[i])],
-                               dtype=torch.int32, device=q.device)
-        n = sum(counts)
+        if plan.prefill_rows is None:       # once per forward, not once per layer
+            counts = [meta.query_lens_host[i] for i in seqs]
+            tables = meta.block_tables[first:first + meta.num_prefills].repeat_interleave(
+                torch.tensor(counts, device=meta.block_tables.device), dim=0).contiguous()
+            kv_lens = torch.tensor([c + j + 1 for i in seqs
+                                    for c in (meta.context_lens_host[i],)
+                                    for j in range(meta.query_lens_host[i])],
+                                   dtype=torch.int32, device=q.device)
+            plan.prefill_rows = tables, kv_lens
+        tables, kv_lens = plan.prefill_rows
+        n = kv_lens.shape[0]
         out[tok0:tok0 + n] = cpu_paged_attention.paged_decode_attention(
             q[tok0:tok0 + n], k_cache, v_cache, tables, kv_lens, 1, self.scale)
