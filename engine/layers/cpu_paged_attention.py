@@ -64,12 +64,17 @@ static inline float to_f(at::BFloat16 x) {
   return f;
 }
 
-// blocks sit anywhere in the cache: ask for the next one while this one is computed
+// blocks sit anywhere in the cache: ask for the next one while this one is computed.
+// Into L2 (locality 2, PREFETCHT1), not L1: a 2 KB block is 32 lines, and asking L1 for
+// them filled its few miss buffers, stalling the loads of the block being computed.
+// Measured (30 layers of SmolLM2's KV, 2 threads): batch 35 x 400 tokens 17.2 -> 12.8 ms,
+// 64 x 200 18.8 -> 13.2 ms, 8 x 1024 9.3 -> 7.9 ms. Locality 1 was the same as 2;
+// prefetching 6 blocks ahead instead of 2 was no better.
 template <typename T>
 static inline void prefetch_block(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(c + off, 0, 3);
+    __builtin_prefetch(c + off, 0, 2);
 }
 
 constexpr int64_t AHEAD = 2;   // blocks prefetched ahead (3x faster than none, measured)
@@ -312,7 +317,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_paged_attention_v9", _SOURCE, ["paged_decode_attention", "bf16_d64_fast"],
+    "pdserve_cpu_paged_attention_v10", _SOURCE, ["paged_decode_attention", "bf16_d64_fast"],
     ["-ffast-math", "-fno-finite-math-only"], "CPU paged attention kernel")
 
 
