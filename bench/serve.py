@@ -133,7 +133,8 @@ def client_argv(shape: Shape, system: System, url: str, s: Settings, results: Pa
             # builds, allocator growth) are not what a served load is about; later shapes
             # find it warm
             "--num-warmups", "2" if first else "0", "--disable-tqdm", "--label", system.name,
-            "--save-result", "--result-dir", str(results),
+            # --save-detailed: per-request TTFTs and ITLs in the result file, for analysis
+            "--save-result", "--save-detailed", "--result-dir", str(results),
             "--result-filename", f"{system.name}__{shape.name}.json",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     if shape.concurrency:

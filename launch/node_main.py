@@ -189,6 +189,9 @@ def start_metrics(node, args: argparse.Namespace):
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
+    from launch.omp_env import apply_node_spin_default
+
+    apply_node_spin_default()        # before anything below imports torch
     from cluster.node_server import default_node_id
 
     node_id = args.node_id or default_node_id(role)
