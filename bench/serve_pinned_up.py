@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args, up_args = ap.parse_known_args(argv)
     pin_nodes({"prefill": args.prefill_cpus, "decode": args.decode_cpus,
                "aggregated": args.aggregated_cpus})
-    return pdserve_main(["up", *up_args])
+    # pinned nodes have cores of their own: taking turns would only make them wait
+    return pdserve_main(["up", "--no-core-share", *up_args])
 
 
 if __name__ == "__main__":

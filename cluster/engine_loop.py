@@ -8,7 +8,9 @@ them on, e.g. to an event loop). After work, the heap memory the steps freed goe
 the OS (cluster/heap_trim.py). An `observer` (the node's metrics snapshot,
 cluster/node_metrics.py) runs on this thread after each pass, before the outputs leave, so
 what it reads of the engine is never read from another thread and already counts the
-tokens a client receives.
+tokens a client receives. A `step_gate` (cluster/core_share.py), given to nodes that share
+CPU cores, makes each step wait for the node's turn on the machine; while it waits, the
+commands that arrive are still applied (a reservation or a landed push waits for no step).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from cluster.core_share import CoreShare
 from cluster.heap_trim import HeapTrimmer, default_trimmer
 
 log = logging.getLogger("cluster.engine_loop")
@@ -27,14 +30,17 @@ IDLE_WAIT_S = 0.5     # a command or stop wakes the loop at once; this is only a
 class EngineLoop:
     def __init__(self, engine, outbox: Callable[[list], None] | None = None,
                  name: str = "engine", trimmer: HeapTrimmer | None = None,
-                 observer: Callable[[], None] | None = None):
+                 observer: Callable[[], None] | None = None,
+                 step_gate: CoreShare | None = None):
         """trimmer: gives freed heap memory back to the OS after work (cluster/heap_trim.py;
         default: glibc's malloc_trim unless PDSERVE_HEAP_TRIM=0). observer: called on this
-        thread after every pass (and when idle, every IDLE_WAIT_S)."""
+        thread after every pass (and when idle, every IDLE_WAIT_S). step_gate: a step runs
+        only in this node's turn (cluster/core_share.py)."""
         self.engine = engine
         self.outbox = outbox
         self.observer = observer
         self.trimmer = trimmer if trimmer is not None else default_trimmer()
+        self.step_gate = step_gate
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
@@ -49,6 +55,8 @@ class EngineLoop:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self.step_gate is not None:
+            self.step_gate.close()
 
     @property
     def alive(self) -> bool:
@@ -56,23 +64,50 @@ class EngineLoop:
 
     def _run(self) -> None:
         eng = self.engine
+        gate = self.step_gate
         while not self._stop.is_set():
             self._wake.clear()       # a command put after this sets it again: no lost wake
+            if gate is not None and not self._take_turn():
+                continue
             try:
                 outputs = eng.run_once()
             except Exception as exc:  # noqa: BLE001 - report, keep the node up
                 log.exception("engine step failed; aborting the batch")
                 self.error = exc
                 outputs = eng.abort_all()
-            self._observe()
-            if outputs and self.outbox is not None:
-                self.outbox(outputs)
+            finally:
+                if gate is not None:
+                    gate.release()
+            self._deliver(outputs)
             idle = not eng.has_work()
             self.trimmer.after_step(worked=bool(outputs), idle=idle)
             if idle:
                 self._wake.wait(IDLE_WAIT_S)
         # what was submitted before the stop still happens (blocks freed, aborts applied)
+        self._deliver(eng.settle())
+
+    def _take_turn(self) -> bool:
+        """With a step gate: True once this node holds the turn. Until then the commands
+        that arrive are applied (settle) and their outputs delivered, and it asks for the
+        turn only while there is work; False after waiting for a grant, a command or a
+        stop."""
+        eng, gate = self.engine, self.step_gate
+        if eng.has_work():
+            gate.request(self._wake.set)     # held at once when no other node is stepping
+        if gate.held:
+            return True
         outputs = eng.settle()
+        self._deliver(outputs)
+        work = eng.has_work()
+        if work:
+            gate.request(self._wake.set)
+        if gate.held:
+            return True
+        self.trimmer.after_step(worked=bool(outputs), idle=not work)
+        self._wake.wait(IDLE_WAIT_S)
+        return False
+
+    def _deliver(self, outputs: list) -> None:
         self._observe()
         if outputs and self.outbox is not None:
             self.outbox(outputs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.limits import TcpLimits
@@ -28,13 +29,15 @@ class DecodeNode:
     def __init__(self, config: EngineConfig, node_id: str = "decode", lease_s: float = 30.0,
                  kv_tcp_listen: str | None = None, max_lease_s: float | None = None,
                  kv_tcp_limits: TcpLimits | None = None, tls: TlsConfig | None = None,
-                 max_grpc_pushes: int | None = None, role: str = "decode"):
+                 max_grpc_pushes: int | None = None, role: str = "decode",
+                 core_share: CoreShare | None = None):
         """lease_s: the default reservation lease; max_lease_s: the longest a caller may
         ask for (default lease_s: `--lease-s` is the ceiling too). kv_tcp_limits: the raw-TCP
         data plane's connection cap and timeouts. tls: the data plane speaks mutual TLS
         (the gRPC server's TLS is GrpcNodeServer's). max_grpc_pushes: PushKv streams served
         at once (None: default_max_grpc_pushes of the engine's max_num_seqs). role:
-        "decode", or "aggregated" (prefills by itself; no KV data plane needed)."""
+        "decode", or "aggregated" (prefills by itself; no KV data plane needed). core_share:
+        the turn on cores shared with other nodes (cluster/core_share.py)."""
         self.engine = LLMEngine(config)
         self.fingerprint = engine_fingerprint(self.engine)
         self.receiver = KvReceiver(self.engine, lease_s, max_lease_s=max_lease_s)
@@ -43,7 +46,7 @@ class DecodeNode:
         self.metrics = NodeMetrics(role, node_id, self.engine,
                                    receiver=self.receiver if role == "decode" else None)
         self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode",
-                               observer=self.metrics.observer)
+                               observer=self.metrics.observer, step_gate=core_share)
         if max_grpc_pushes is None:
             max_grpc_pushes = default_max_grpc_pushes(config.max_num_seqs)
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,

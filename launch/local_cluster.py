@@ -99,6 +99,9 @@ class LocalClusterConfig:
     # Mutual TLS between router and nodes (a throw-away CA in run_dir/tls, one leaf per
     # process): on by default, so the secure path is the one every local run exercises.
     tls: bool = True
+    # Nodes on this machine's cores take turns at engine steps (cluster/core_share.py): a
+    # lock file in run_dir. Off for nodes on separate cores or accelerators.
+    core_share: bool = False
 
 
 class LocalCluster:
@@ -168,7 +171,13 @@ class LocalCluster:
                          self.etcd.endpoint, "--cluster", self.config.cluster, "--node-id",
                          name, "--lease-ttl", str(self.config.lease_ttl), "--ready-file",
                          str(ready), "--model", self.config.model, *self.tls_flags(name),
-                         *self.config.node_args, *self._role_args(role))
+                         *self._core_share_flags(), *self.config.node_args,
+                         *self._role_args(role))
+
+    def _core_share_flags(self) -> list[str]:
+        if not self.config.core_share:
+            return []
+        return ["--core-share-lock", str(self.run_dir / "cores.lock")]
 
     def _role_args(self, role: str) -> list[str]:
         return {"prefill": self.config.prefill_args, "decode": self.config.decode_args,

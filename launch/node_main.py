@@ -33,10 +33,15 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
         raise CliError(str(exc)) from None
     tls = tls_from_args(args)
     try:
+        core_share = None
+        if args.core_share_lock:
+            from cluster.core_share import CoreShare
+            core_share = CoreShare(args.core_share_lock)
         if role == "aggregated":
             # the decode node's wiring, prefilling by itself: no reservations, no data plane
             from decode_node.node import DecodeNode
-            return DecodeNode(config, node_id=node_id, tls=tls, role="aggregated")
+            return DecodeNode(config, node_id=node_id, tls=tls, role="aggregated",
+                              core_share=core_share)
         if role == "decode":
             from cluster.kv_transfer.limits import TcpLimits
             from decode_node.node import DecodeNode
@@ -51,14 +56,16 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
                                f"{args.max_grpc_pushes}")
             return DecodeNode(config, node_id=node_id, lease_s=args.lease_s, kv_tcp_listen=tcp,
                               max_lease_s=args.max_lease_s, kv_tcp_limits=limits, tls=tls,
-                              max_grpc_pushes=args.max_grpc_pushes or None)
+                              max_grpc_pushes=args.max_grpc_pushes or None,
+                              core_share=core_share)
         from cluster.kv_transfer.grpc_transport import GrpcTransport
         from prefill_node.node import PrefillNode
         transport = GrpcTransport(tls=tls)
         if args.kv_transport == "tcp":
             from cluster.kv_transfer.tcp_transport import TcpTransport
             transport = TcpTransport(transport)
-        return PrefillNode(config, transport, node_id=node_id, decode_gate=decode_gate(args))
+        return PrefillNode(config, transport, node_id=node_id, decode_gate=decode_gate(args),
+                           core_share=core_share)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(f"cannot load the model: {exc}") from None
 

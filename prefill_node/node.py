@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport
@@ -24,16 +25,19 @@ class PrefillNode:
     add_to_server = staticmethod(node_pb2_grpc.add_PrefillNodeServicer_to_server)
 
     def __init__(self, config: EngineConfig, transport: KvTransport, node_id: str = "prefill",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None,
+                 core_share: CoreShare | None = None):
         """decode_gate: which decode addresses a Prefill call may name (default: any, with
-        a warning at start; prefill_node/decode_gate.py)."""
+        a warning at start; prefill_node/decode_gate.py). core_share: the turn on cores
+        shared with other nodes (cluster/core_share.py)."""
         self.engine = LLMEngine(config, connector=KvPushConnector)
         self.decode_gate = decode_gate or OpenDecodeGate()
         self._gate_start: asyncio.Task | None = None
         self.fingerprint = engine_fingerprint(self.engine)
         self.transport = transport
         self.metrics = NodeMetrics("prefill", node_id, self.engine)
-        self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer)
+        self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer,
+                               step_gate=core_share)
         self.service = PrefillService(self.engine, transport, self.fingerprint,
                                       node_id=node_id, model_id=Path(config.model).name,
                                       chunk_bytes=chunk_bytes, decode_gate=self.decode_gate,

@@ -64,6 +64,10 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
     env_argument(eng, "--cpu-threads", "PDSERVE_CPU_THREADS", default=0, type=int, metavar="N",
                  help="torch threads on a CPU device (0: one per core; give nodes that "
                       "share a machine's cores a share each)")
+    env_argument(eng, "--core-share-lock", "PDSERVE_CORE_SHARE_LOCK", default=None,
+                 metavar="FILE", help="nodes on the same cores give the same file: their "
+                 "engine steps take turns instead of running side by side (pdserve up sets "
+                 "it on a CPU device; cluster/core_share.py)")
     env_flag(eng, "--batch-invariant", "PDSERVE_BATCH_INVARIANT",
              help="a request's tokens do not depend on what runs beside it (bf16 greedy "
                   "reproducible under load; cpu only, slower prefill)")

@@ -45,6 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     p.add_argument("--cpu-threads", type=int, default=0, metavar="N",
                    help="torch threads per node on a CPU device (0: one per core)")
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "grpc"],
+                   help="how prefill nodes push KV to decode nodes: the decode node's raw-TCP "
+                        "data plane (default here: it takes less CPU than gRPC, and on one "
+                        "machine the push shares the cores with the prefill itself) or gRPC "
+                        "streaming")
+    p.add_argument("--no-core-share", action="store_true",
+                   help="on a CPU device the nodes take turns at engine steps, since they "
+                        "share the machine's cores; this lets them run side by side (for "
+                        "nodes pinned to separate cores)")
     p.add_argument("--enable-graph", action="store_true",
                    help="decode and aggregated nodes replay captured graphs for decode "
                         "batches")
@@ -71,6 +80,13 @@ def speculative_args(args: argparse.Namespace) -> list[str]:
                        f"got {args.num_speculative_tokens}")
     return ["--speculative-method", args.speculative_method,
             "--num-speculative-tokens", str(args.num_speculative_tokens)]
+
+
+def core_share_wanted(args: argparse.Namespace) -> bool:
+    """Nodes take turns at steps on a CPU device: `pdserve up` starts them all on this
+    machine's cores (cluster/core_share.py). An accelerator per node, or --no-core-share
+    (nodes pinned to separate cores), lets them run side by side."""
+    return args.device == "cpu" and not args.no_core_share
 
 
 def _banner(cluster, model_name: str) -> str:
@@ -138,12 +154,13 @@ def run(args: argparse.Namespace) -> int:
             node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
                        str(args.max_num_seqs), "--kv-cache-memory-gb",
                        str(args.kv_cache_memory_gb), "--cpu-threads", str(args.cpu_threads)],
-            prefill_args=speculative_args(args),
+            prefill_args=speculative_args(args) + ["--kv-transport", args.kv_transport],
             decode_args=speculative_args(args) + (
                 ["--enable-graph"] if args.enable_graph else []),
             aggregated_args=speculative_args(args) + (
                 ["--enable-graph"] if args.enable_graph else []),
-            tls=not args.insecure)
+            tls=not args.insecure,
+            core_share=core_share_wanted(args))
         cluster = LocalCluster(config)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from None

@@ -41,7 +41,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def cluster(folder, tmp_path_factory):
-    c = start_cluster(folder, tmp_path_factory.mktemp("cluster-1x1"), prefill=1, decode=1)
+    # the nodes take turns at steps, as `pdserve up` runs them on one machine's cores
+    c = start_cluster(folder, tmp_path_factory.mktemp("cluster-1x1"), prefill=1, decode=1,
+                      core_share=True)
     yield c
     c.stop()
 

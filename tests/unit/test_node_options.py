@@ -8,7 +8,7 @@ import pytest
 from launch.cli import build_parser
 from launch.cli_common import CliError
 from launch.commands.node_options import engine_config_from_args
-from launch.commands.up import speculative_args
+from launch.commands.up import core_share_wanted, speculative_args
 
 
 def parse(*argv: str):
@@ -97,3 +97,26 @@ def test_local_cluster_puts_role_flags_on_the_right_nodes(tmp_path, monkeypatch)
     pre, dec = (c.cmd for c in started)
     assert "--speculative-method" in pre and "--enable-graph" not in pre
     assert "--enable-graph" in dec and "--speculative-method" not in dec
+
+
+def test_up_makes_cpu_nodes_take_turns_unless_told_not_to(tmp_path, monkeypatch):
+    from launch import local_cluster
+    from launch.local_cluster import LocalCluster, LocalClusterConfig
+
+    assert core_share_wanted(parse("up"))
+    assert not core_share_wanted(parse("up", "--no-core-share"))
+    assert not core_share_wanted(parse("up", "--device", "cuda"))
+    started = []
+    monkeypatch.setattr(local_cluster.Child, "start", lambda self, env: started.append(self)
+                        or self)
+    for share in (True, False):
+        lc = LocalCluster(LocalClusterConfig(model="/m", run_dir=tmp_path / str(share),
+                                             num_aggregated=1, core_share=share))
+        monkeypatch.setattr(type(lc.etcd), "endpoint", property(lambda self: "127.0.0.1:1"))
+        for role in ("prefill", "decode", "aggregated"):
+            lc.add_node(role)
+    lock = str(tmp_path / "True" / "cores.lock")
+    for child in started[:3]:                     # one lock file for every node
+        assert child.cmd[child.cmd.index("--core-share-lock") + 1] == lock
+    assert all("--core-share-lock" not in child.cmd for child in started[3:])
+    assert parse("decode", "--core-share-lock", lock).core_share_lock == lock
