@@ -128,8 +128,13 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
         install_stop_signals,
         write_ready_file,
     )
+    from cluster.omp_threads import serial_thread_pool
     from cluster.proto_convert import fingerprint_to_proto  # noqa: F401 - fail early if broken
 
+    # asyncio.to_thread's workers (KV landing over gRPC, the sender's waits) run torch
+    # serially too
+    asyncio.get_running_loop().set_default_executor(serial_thread_pool(
+        thread_name_prefix=f"{role}-executor"))
     registry = make_registry(args)
     server = GrpcNodeServer(node.SERVICE, args.listen, tls=tls_from_args(args))
     server.add(node.add_to_server, node.service)
@@ -204,6 +209,14 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     node_id = args.node_id or default_node_id(role)
     metrics_address(args)            # a bad --metrics-listen fails before the model loads
     configure_tracing(args, f"pdserve-{role}")
-    load_kernels(args.device)
-    node = build_node(role, args, node_id)
+    from cluster.omp_threads import run_in_passing_thread, serial_torch_thread
+
+    def load():
+        load_kernels(args.device)
+        return build_node(role, args, node_id)
+
+    # the model loads on a thread that ends, and this thread (the event loop's) runs torch
+    # serially: the engine loop's thread keeps the only OpenMP team (cluster/omp_threads.py)
+    node = run_in_passing_thread(load, name=f"{role}-load")
+    serial_torch_thread()
     return asyncio.run(serve(role, node, args, node_id))

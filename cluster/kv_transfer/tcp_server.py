@@ -13,7 +13,6 @@ import socket
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -23,6 +22,7 @@ from cluster.kv_transfer.receiver import WRITTEN, PushHandler
 from cluster.kv_transfer.tcp_framing import BUSY, FRAME, MAX_DATA, MAX_META, READY, REPLY
 from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
 from cluster.kv_transfer.tls_stream import server_stream
+from cluster.omp_threads import serial_thread_pool
 from cluster.tls import TlsConfig
 from engine.pd_decode import PushDenied, PushRejected, UnknownReservation
 from protos import node_pb2
@@ -76,7 +76,9 @@ class TcpKvServer:
         self._closed = False
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()                 # guards _conns
-        self._pool = ThreadPoolExecutor(self.limits.max_connections, "kv-tcp-conn")
+        # connection threads land KV chunks with torch copies: serially, so the engine's
+        # OpenMP team stays the only one (cluster/omp_threads.py)
+        self._pool = serial_thread_pool(self.limits.max_connections, "kv-tcp-conn")
         self.refused = 0            # connections turned away at the cap
         self.peak = 0               # most connections served at once
         self.pushes = 0             # pushes accepted and admitted over this plane

@@ -30,6 +30,7 @@ from cluster.kv_transfer.tcp_framing import CODES, FRAME, REPLY
 from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
 from cluster.kv_transfer.tcp_server import TcpKvServer
 from cluster.kv_transfer.tls_stream import client_stream
+from cluster.omp_threads import serial_torch_thread
 from cluster.tls import CLUSTER_NAME
 from protos import node_pb2
 
@@ -141,6 +142,7 @@ def _in_own_thread(fn, *args) -> asyncio.Future:
 
     def run() -> None:
         try:
+            serial_torch_thread()       # the engine's OpenMP team stays the only one
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
             loop.call_soon_threadsafe(settle, None, exc)

@@ -1,0 +1,112 @@
+"""cluster/omp_threads.py: a node process keeps one OpenMP team, its engine thread's.
+
+Each check runs in a fresh interpreter with 2 torch threads, where every OpenMP team shows
+as one more OS thread (a team of 2 is its master plus one worker), and counts the process's
+threads around torch work done the way a node does it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = """
+import os, threading, torch
+from cluster.omp_threads import (run_in_passing_thread, serial_thread_pool,
+                                 serial_torch_thread)
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def parallel_op():                  # big enough for torch to start an OpenMP team
+    x = torch.ones(1 << 22)
+    x.add_(1)
+    return float(x[0])
+def in_thread(fn):
+    t = threading.Thread(target=fn); t.start(); t.join()
+"""
+
+
+def _run(body: str) -> str:
+    code = PRELUDE + textwrap.dedent(body)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"},
+                         cwd=".")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="counts threads through /proc (Linux)")
+
+
+def test_a_thread_that_ran_torch_leaves_a_team_behind():
+    # the baseline the rest rely on: without this module, every thread that ran a parallel
+    # op keeps an OpenMP worker, even after the thread itself ended
+    out = _run("""
+        base = threads()
+        parallel_op()                        # the main thread's team: +1 worker
+        in_thread(parallel_op)               # a team for that thread
+        print(threads() - base)
+    """)
+    assert int(out) >= 1
+
+
+def test_serial_threads_make_no_team():
+    out = _run("""
+        base = threads()
+        def helper():
+            assert serial_torch_thread()
+            assert parallel_op() == 2.0      # still computes, on this thread alone
+            assert torch.get_num_threads() == 1
+        in_thread(helper)
+        with serial_thread_pool(2) as pool:
+            assert list(pool.map(lambda _: parallel_op(), range(4))) == [2.0] * 4
+        print(threads() - base, torch.get_num_threads())
+    """)
+    grown, main_threads = out.split()
+    assert grown == "0"
+    assert main_threads == "2"           # only the calling threads' setting changed
+
+
+def test_a_node_process_keeps_only_the_engine_threads_team():
+    # the order of launch/node_main.run_node: load on a passing thread, the main thread
+    # serial, then the engine thread and helper threads at work
+    out = _run("""
+        base = threads()
+        assert run_in_passing_thread(parallel_op) == 2.0    # the loader's team ends with it
+        after_load = threads()
+        serial_torch_thread()
+        parallel_op()                                       # the event loop's thread
+        worked, done = threading.Event(), threading.Event()
+        def engine_loop():
+            parallel_op()
+            worked.set()
+            done.wait()
+        engine = threading.Thread(target=engine_loop)
+        engine.start()
+        worked.wait()
+        with_engine = threads()          # the engine thread and its team's worker
+        with serial_thread_pool(2) as pool:                 # the KV data plane's threads
+            list(pool.map(lambda _: parallel_op(), range(4)))
+        parallel_op()
+        print(after_load - base, with_engine - base, threads() - base)
+        done.set()
+    """)
+    after_load, with_engine, at_end = out.split()
+    assert after_load == "0"
+    assert with_engine == "2"
+    assert at_end == "2"
+
+
+def test_run_in_passing_thread_raises_the_error_on_the_caller():
+    out = _run("""
+        def boom():
+            raise ValueError("bad model folder")
+        try:
+            run_in_passing_thread(boom)
+        except ValueError as exc:
+            print("raised", exc)
+    """)
+    assert out == "raised bad model folder"
