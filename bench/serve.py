@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench import serve_cpu
 from bench import serve_phases as phases
 from bench import serve_report as report
 from bench.serve_systems import PEER_PYTHON, ROOT, Server, Settings, System, all_systems
@@ -192,6 +193,7 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                                                               first=i == 0)}
                                          for i, sh in enumerate(shapes)], indent=1))
         scraped = None          # the router's phase histogram at the start of a shape
+        cpu_before: dict = {}   # CPU seconds per process at the start of a shape
         with open(logs / f"{system.name}-client.log", "w") as log:
             client = subprocess.Popen([str(PEER_PYTHON), str(ROOT / "bench" / "serve_client.py"),
                                        str(runs_file)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -207,15 +209,19 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                 if word == "@@start":
                     if system.kind == "pdserve":
                         scraped = phases.scrape(server.url)
+                    cpu_before = serve_cpu.snapshot(server.proc.pid, client.pid)
                     progress.runs += 1
                     print(progress.line(label + " ..."), flush=True)
                     continue
                 progress.credit(estimate_s(sh))
                 if word == "@@done":
+                    cpu_s = serve_cpu.used(cpu_before,
+                                           serve_cpu.snapshot(server.proc.pid, client.pid))
                     path = results / f"{system.name}__{sh.name}.json"
                     row = report.result_row(system.name, d, json.loads(path.read_text()))
                     if system.kind == "pdserve":
                         row["phases_ms"] = phases.mean_ms(scraped, phases.scrape(server.url))
+                    row["cpu_s"] = cpu_s
                     rows[int(index)] = row
                     print(f"   {row['output_tok_s']:.1f} tok/s, TTFT p99 "
                           f"{report.ms(row['ttft_p99_ms'])} ms, ITL p99 "
@@ -248,6 +254,10 @@ def write_outputs(out: Path, meta: dict, rows: list[dict], infos: dict) -> str:
         text += ["pdserve: mean time of each phase before the first token, from the router's "
                  "pdserve_router_request_phase_seconds over each shape (bench/serve_phases.py):",
                  "", phase_text, ""]
+    cpu_text = serve_cpu.cpu_table(rows)
+    if cpu_text:
+        text += ["CPU seconds per 1,000 output tokens by process over each shape, from /proc "
+                 "(bench/serve_cpu.py; 2 cores give 2 CPU-s per second):", "", cpu_text, ""]
     pinned = report.pinned_summary(rows)
     if pinned:
         text += [pinned, ""]

@@ -25,6 +25,7 @@ def result_row(system: str, shape: dict, result: dict) -> dict:
            "completed": result.get("completed", 0), "failed": result.get("failed", 0),
            "duration_s": result.get("duration"),
            "output_tok_s": result.get("output_throughput"),
+           "output_tokens": result.get("total_output_tokens"),
            "request_s": result.get("request_throughput")}
     for m in METRICS:
         for p in PERCENTILES:
