@@ -152,10 +152,30 @@ class _ReservationCollector(Collector):
         yield from (states, moves, leases)
 
 
+class _CoreShareCollector(Collector):
+    """A node's turns on CPU cores shared with other nodes (cluster/core_share.py): how often
+    it stepped in its turn and how long it waited for another node's step to end."""
+
+    def __init__(self, core_share, labels: list[str]):
+        self.core_share = core_share
+        self.labels = labels
+
+    def collect(self):
+        turns = CounterMetricFamily("pdserve_core_share_turns", "Turns taken on the CPU "
+                                    "cores this node shares with other nodes (one per engine "
+                                    "step that had to ask)", labels=LABELS)
+        turns.add_metric(self.labels, self.core_share.turns)
+        waited = CounterMetricFamily("pdserve_core_share_wait_seconds", "Time this node's "
+                                     "engine waited for another node's step to end before "
+                                     "its own", labels=LABELS)
+        waited.add_metric(self.labels, self.core_share.waited_s)
+        yield from (turns, waited)
+
+
 class NodeMetrics:
     """Everything one node exports. `observer` goes to the node's EngineLoop."""
 
-    def __init__(self, role: str, node_id: str, engine, receiver=None):
+    def __init__(self, role: str, node_id: str, engine, receiver=None, core_share=None):
         self.role, self.node_id = role, node_id
         self.registry = r = CollectorRegistry()
         lv = [role, node_id]
@@ -163,6 +183,8 @@ class NodeMetrics:
         r.register(_EngineCollector(self.snapshot, lv))
         if receiver is not None:
             r.register(_ReservationCollector(receiver, lv))
+        if core_share is not None:
+            r.register(_CoreShareCollector(core_share, lv))
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)

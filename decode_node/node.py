@@ -44,7 +44,8 @@ class DecodeNode:
         self.streams = StreamTable()
         # an aggregated node takes no reservations: no reservation metrics
         self.metrics = NodeMetrics(role, node_id, self.engine,
-                                   receiver=self.receiver if role == "decode" else None)
+                                   receiver=self.receiver if role == "decode" else None,
+                                   core_share=core_share)
         self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode",
                                observer=self.metrics.observer, step_gate=core_share)
         if max_grpc_pushes is None:

@@ -35,7 +35,7 @@ class PrefillNode:
         self._gate_start: asyncio.Task | None = None
         self.fingerprint = engine_fingerprint(self.engine)
         self.transport = transport
-        self.metrics = NodeMetrics("prefill", node_id, self.engine)
+        self.metrics = NodeMetrics("prefill", node_id, self.engine, core_share=core_share)
         self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer,
                                step_gate=core_share)
         self.service = PrefillService(self.engine, transport, self.fingerprint,

@@ -7,6 +7,7 @@ acceptance per position, and a decode node's reservations with a lease expiry.""
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -181,3 +182,36 @@ def test_docs_operations_names_exactly_the_exported_metrics(folder):
                   if not name.endswith("_")}          # `pdserve_router_*`, `pdserve_`
     assert exported - documented == set(), "exported but not in docs/OPERATIONS.md"
     assert documented - exported == set(), "in docs/OPERATIONS.md but not exported"
+
+
+def test_turns_and_wait_on_shared_cores(folder, tmp_path):
+    from cluster.core_share import CoreShare
+    from tests.unit.test_core_share import _queued, _until
+
+    lock = tmp_path / "cores.lock"
+    other, ours = CoreShare(lock), CoreShare(lock)   # another node's step, and this node
+    engine = LLMEngine(EngineConfig(model=str(folder), **OPTS))
+    metrics = NodeMetrics("decode", "dec-0", engine, core_share=ours)
+    plain = scrape(NodeMetrics("decode", "dec-1", engine))
+    assert not any(name.startswith("pdserve_core_share") for name, _ in plain)
+    assert scrape(metrics)[("pdserve_core_share_wait_seconds_total", ())] == 0
+    outputs: queue.Queue = queue.Queue()
+    other.request(lambda: None)
+    assert other.held
+    loop = EngineLoop(engine, outbox=lambda outs: [outputs.put(o) for o in outs],
+                      observer=metrics.observer, step_gate=ours).start()
+    try:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        engine.submit(AddRequest("r0", PROMPT, params)).result(timeout=30)
+        _until(lambda: _queued(lock), "the node waits for its turn")
+        held_s = 0.2
+        time.sleep(held_s)                   # the other node's step goes on
+        other.release()
+        while not outputs.get(timeout=30).finished:
+            pass
+    finally:
+        loop.stop()
+        other.close()
+    got = scrape(metrics)
+    assert got[("pdserve_core_share_turns_total", ())] >= 1
+    assert got[("pdserve_core_share_wait_seconds_total", ())] >= held_s
