@@ -81,7 +81,8 @@ def run_in_passing_thread(fn: Callable[[], T], name: str = "load") -> T:
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name=name)
+    # a daemon: it never keeps the process up once the caller has given up (Ctrl-C)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join()
     if "error" in box:
