@@ -162,7 +162,7 @@ def _family_names(texts: list[str]) -> set[str]:
             if not f.name.endswith("_created")}
 
 
-def test_docs_operations_names_exactly_the_exported_metrics(folder):
+def test_docs_operations_names_exactly_the_exported_metrics(folder, tmp_path):
     """docs/OPERATIONS.md describes every metric a router or a node exports, and no other
     (names compared without the _total / _bucket / _count / _sum sample suffixes)."""
     import re
@@ -173,7 +173,10 @@ def test_docs_operations_names_exactly_the_exported_metrics(folder):
 
     engine = LLMEngine(EngineConfig(model=str(folder), enable_graph=True,
                                     speculative_method="mtp", num_speculative_tokens=2, **OPTS))
-    node = NodeMetrics("decode", "dec-0", engine, receiver=KvReceiver(engine))
+    from cluster.core_share import CoreShare
+
+    node = NodeMetrics("decode", "dec-0", engine, receiver=KvReceiver(engine),
+                       core_share=CoreShare(tmp_path / "cores.lock"))
     exported = _family_names([node.render().decode(),
                               RouterMetrics(NodePool()).render().decode()])
     doc = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()

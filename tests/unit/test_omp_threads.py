@@ -136,7 +136,11 @@ def test_ctrl_c_during_a_load_ends_the_process():
     import signal
     import time
 
-    code = ("import sys, time\nfrom cluster.omp_threads import run_in_passing_thread\n"
+    # Python ignores SIGINT when it starts with it ignored (a background job): restore the
+    # handler a node started from a terminal has
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from cluster.omp_threads import run_in_passing_thread\n"
             "print('loading', flush=True)\nrun_in_passing_thread(lambda: time.sleep(600))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=".")
