@@ -31,7 +31,7 @@ torch threads (~55 min):
 With issue 15's raw part: `--parts 1,2,3,4` from scratch, or `--init
 launch/assets/smollm2_mtp.safetensors --parts 1,4 --epochs 1` to continue that head; the
 commands and the measured costs are in docs/PERFORMANCE.md, "Speculative decoding (MTP)";
-the shipped head is the parts 1-3 head continued one epoch on parts 1 and 4 (~25 min).
+the shipped head is the parts 1-3 head continued two epochs on parts 1 and 4 (~30 min).
 The caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 
