@@ -77,7 +77,6 @@ class EngineLoop:
     def _run(self) -> None:
         eng = self.engine
         gate = self.step_gate
-        self._idle = True
         while not self._stop.is_set():
             self._wake.clear()       # a command put after this sets it again: no lost wake
             if self._idle:           # once per idle spell, not on each wake for a turn

@@ -19,15 +19,12 @@ engine loop's thread is the one that builds a team and keeps it.
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import TypeVar
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
