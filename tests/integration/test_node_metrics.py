@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import urllib.request
 
 import grpc
@@ -78,11 +79,12 @@ def pd(folder, tmp_path_factory):
     cluster.stop()
 
 
-def _complete(http_url: str, prompt: list[int], max_tokens: int) -> dict:
+def _complete(http_url: str, prompt: list[int], max_tokens: int,
+              headers: dict | None = None) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
     req = urllib.request.Request(f"{http_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.loads(resp.read())
 
@@ -211,16 +213,18 @@ def traces(log: str, span: str) -> list[str]:
 
 def test_a_request_is_one_trace_across_router_prefill_and_decode(pd):
     cluster, _ = pd
-    _complete(cluster.http_url, PD_PROMPT[:5], 3)
     logs = {"router": cluster.router.log_path,
             **{n.role: n.log_path for n in cluster.nodes}}
     read = lambda who: logs[who].read_text(errors="replace")
-    # spans leave in batches (every 5 s): wait for this request's on all three
-    assert wait_for(lambda: traces(read("router"), "pdserve.request") and traces(
-        read("decode"), "decode_node.Decode") and set(traces(read("router"), "pdserve.request"))
-        & set(traces(read("prefill"), "prefill_node.Prefill"))
-        & set(traces(read("decode"), "decode_node.Decode")), 30)
-    trace = traces(read("router"), "pdserve.request")[-1]
+    # Earlier tests in this module send requests through the same cluster and each
+    # process flushes its spans on its own 5 s timer, so "the router's latest trace"
+    # may be another request's: this one names its own trace with a client traceparent.
+    trace = secrets.token_hex(16)
+    _complete(cluster.http_url, PD_PROMPT[:5], 3,
+              headers={"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"})
+    assert wait_for(lambda: all(trace in traces(read(who), span) for who, span in [
+        ("router", "pdserve.request"), ("prefill", "prefill_node.Prefill"),
+        ("decode", "decode_node.Decode")]), 30)
     for who, span in [("prefill", "prefill_node.Prefill"), ("decode", "decode_node.Decode")]:
         assert trace in traces(read(who), span), who
     for who, span in [("router", "router.prefill"), ("prefill", "kv_push"),
