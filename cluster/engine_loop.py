@@ -85,6 +85,12 @@ class EngineLoop:
             if gate is not None and not self._take_turn():
                 continue
             try:
+                # what the commands made goes out before the step, not after it: an
+                # admitted push's first token (a decode node) would otherwise wait for the
+                # decode step that follows, and be streamed with the second token
+                early = eng.settle()
+                if early:
+                    self._deliver(early)
                 outputs = eng.run_once()
             except Exception as exc:  # noqa: BLE001 - report, keep the node up
                 log.exception("engine step failed; aborting the batch")

@@ -38,6 +38,10 @@ class KvSink(Protocol):
         """k, v: [len(dst_block_ids), block_size, kv_heads, head_dim] host tensors; when
         `ready` is not None it is a device event to synchronize before reading them."""
 
+    def on_step_end(self) -> None:
+        """Every layer of this step has been handed over (after the forward, before the
+        step's token): a sink that sends a step's layers together sends them now."""
+
     def on_first_token(self, token_id: int, logprob: TokenLogprob | None,
                        mtp: MtpHandoff | None = None) -> None:
         """mtp: what the decode node's MTP draft needs (when this engine runs MTP)."""
@@ -111,6 +115,8 @@ class KvPushConnector:
         try:
             with self._layer_hooks(plan):
                 yield
+            for job in {id(job): job for job, _, _ in plan}.values():
+                job.target.sink.on_step_end()
         except Exception as exc:
             for job, _, _ in plan:
                 self._fail(job, exc)

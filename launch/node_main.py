@@ -65,7 +65,7 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
             from cluster.kv_transfer.tcp_transport import TcpTransport
             transport = TcpTransport(transport)
         return PrefillNode(config, transport, node_id=node_id, decode_gate=decode_gate(args),
-                           core_share=core_share)
+                           core_share=core_share, kv_push=args.kv_push)
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(f"cannot load the model: {exc}") from None
 

@@ -43,9 +43,12 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, engine, transport: KvTransport, fingerprint: Fingerprint,
                  node_id: str = "prefill", model_id: str = "",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None,
-                 metrics: NodeMetrics | None = None):
-        """metrics: the node's request and KV push metrics (None: not observed)."""
+                 metrics: NodeMetrics | None = None, push_per_layer: bool = True):
+        """metrics: the node's request and KV push metrics (None: not observed).
+        push_per_layer: each layer's KV leaves as the forward writes it; False: a step's
+        layers leave together after its forward (cluster/kv_transfer/sender.py)."""
         self.engine = engine
+        self.push_per_layer = push_per_layer
         self.metrics = metrics
         self.decode_gate = decode_gate or OpenDecodeGate()
         self.transport = transport
@@ -102,7 +105,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
                             self.chunk_bytes,
                             raw_payload=getattr(self.transport, "wants_raw_payload", False),
-                            lease_ms=request.lease_ms)
+                            lease_ms=request.lease_ms, per_layer=self.push_per_layer)
 
         try:
             command = push_request(rid, list(request.prompt_token_ids), params,

@@ -1,6 +1,7 @@
 """The prefill side of a push: engine-thread callbacks (engine.pd_prefill.KvSink) become
 an async stream of KvPushMessage: the header, each layer's K/V chunks as soon as the layer
-is written, then `done` with the first sampled token."""
+is written (or, `per_layer=False`, a step's layers together once its forward is done),
+then `done` with the first sampled token."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ class LayerReady:
 
 
 @dataclass(frozen=True)
+class StepLayers:
+    layers: tuple[LayerReady, ...]    # a step's layers, sent together
+
+
+@dataclass(frozen=True)
 class FirstToken:
     token_id: int
     logprob: TokenLogprob | None
@@ -41,7 +47,7 @@ class PushError:
     error: BaseException
 
 
-PushEvent = LayerReady | FirstToken | PushError
+PushEvent = LayerReady | StepLayers | FirstToken | PushError
 
 # A push silent this long sends a keepalive, which renews the decode node's lease, so only
 # a hung or dead sender loses one: a quarter of the granted lease (several keepalives fit
@@ -62,8 +68,15 @@ class PushSender:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, header: node_pb2.PushHeader,
                  dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, raw_payload: bool = False,
-                 lease_ms: int = 0):
+                 lease_ms: int = 0, per_layer: bool = True):
+        """per_layer: hand each layer to the event loop as the forward writes it, so the
+        push overlaps the compute. False: a step's layers go together after its forward,
+        one wake-up of the event loop and the sending threads per step instead of one per
+        layer: on a CPU those threads take the cores from the forward's OpenMP team, and
+        every layer they preempt stalls the whole team (prefill_node/node.py)."""
         self.loop = loop
+        self.per_layer = per_layer
+        self._held: list[LayerReady] = []       # engine thread only (per_layer=False)
         # raw_payload: yield (message, bytes view) pairs for transports that move chunk
         # bytes outside the message (no copy into protobuf)
         self.raw_payload = raw_payload
@@ -89,7 +102,16 @@ class PushSender:
 
     def on_layer(self, layer: int, dst_block_ids: list[int], k: torch.Tensor,
                  v: torch.Tensor, ready: object | None) -> None:
-        self._put(LayerReady(layer, dst_block_ids, k, v, ready))
+        event = LayerReady(layer, dst_block_ids, k, v, ready)
+        if self.per_layer:
+            self._put(event)
+        else:
+            self._held.append(event)
+
+    def on_step_end(self) -> None:
+        if self._held:
+            self._put(StepLayers(tuple(self._held)))
+            self._held = []
 
     def on_first_token(self, token_id: int, logprob: TokenLogprob | None,
                        mtp=None) -> None:
@@ -112,21 +134,10 @@ class PushSender:
             except TimeoutError:      # queued or computing: tell the decode node we live
                 yield node_pb2.KvPushMessage(keepalive=node_pb2.PushKeepalive())
                 continue
-            if isinstance(event, LayerReady):
-                if self.first_layer_at is None:
-                    self.first_layer_at = time.monotonic()
-                if event.ready is not None:
-                    await asyncio.to_thread(event.ready.synchronize)
-                for meta, part in layer_chunk_parts(event.layer, event.dst_block_ids, event.k,
-                                                    event.v, self.dtype, self.chunk_bytes):
-                    self.num_chunks += 1
-                    self.num_bytes += part.numel() * part.element_size()
-                    if self.raw_payload:
-                        yield node_pb2.KvPushMessage(chunk=meta), tensor_view(part)
-                    else:
-                        meta.data = tensor_bytes(part)
-                        yield node_pb2.KvPushMessage(chunk=meta)
-                self.blocks_pushed.update(event.dst_block_ids)
+            if isinstance(event, (LayerReady, StepLayers)):
+                for layer in event.layers if isinstance(event, StepLayers) else (event,):
+                    for item in await self._chunks(layer):
+                        yield item
             elif isinstance(event, FirstToken):
                 token, entry = event.token_id, event.logprob
                 self.first_token, self.first_logprob = token, entry
@@ -142,3 +153,22 @@ class PushSender:
                 self.error = event.error
                 self.token_ready.set()
                 return
+
+    async def _chunks(self, event: LayerReady) -> list:
+        """One layer's K/V as push messages (with their raw bytes apart, for raw_payload)."""
+        if self.first_layer_at is None:
+            self.first_layer_at = time.monotonic()
+        if event.ready is not None:
+            await asyncio.to_thread(event.ready.synchronize)
+        out = []
+        for meta, part in layer_chunk_parts(event.layer, event.dst_block_ids, event.k,
+                                            event.v, self.dtype, self.chunk_bytes):
+            self.num_chunks += 1
+            self.num_bytes += part.numel() * part.element_size()
+            if self.raw_payload:
+                out.append((node_pb2.KvPushMessage(chunk=meta), tensor_view(part)))
+            else:
+                meta.data = tensor_bytes(part)
+                out.append(node_pb2.KvPushMessage(chunk=meta))
+        self.blocks_pushed.update(event.dst_block_ids)
+        return out

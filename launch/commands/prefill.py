@@ -19,6 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help="how KV reaches decode nodes: gRPC streaming (works between any two "
                       "hosts), or the decode node's raw-TCP data plane (falls back to gRPC "
                       "where a decode node has none)")
+    env_argument(parser, "--kv-push", "PDSERVE_KV_PUSH", default="auto",
+                 choices=["auto", "layer", "step"],
+                 help="when a prefill's KV leaves: `layer` as each layer is computed "
+                      "(overlaps the compute), `step` once the step's forward is done (one "
+                      "hand-off per step: on a CPU the sending threads would otherwise take "
+                      "the forward's cores once per layer); auto: step on a CPU, layer on "
+                      "an accelerator")
     env_argument(parser, "--allowed-decode", "PDSERVE_ALLOWED_DECODE", default=None,
                  metavar="HOST:PORT,...",
                  help="without etcd (--etcd none): the decode nodes this node may push KV "

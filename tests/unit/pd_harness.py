@@ -35,20 +35,23 @@ class FakeContext:
 
 class PdPair:
     def __init__(self, folder, prefill_opts: dict, decode_opts: dict, lease_s: float = 30.0,
-                 tcp: bool = False, decode_options: dict | None = None):
+                 tcp: bool = False, decode_options: dict | None = None, kv_push: str = "auto"):
         """tcp=True: KV goes over the raw-TCP data plane (real loopback sockets) instead of
         the in-process fake; abort notices (and the push when the data plane turns it
         away) still go through the fake. The prefill node may push to DECODE_ADDRESS only.
-        decode_options: more DecodeNode arguments (max_lease_s, kv_tcp_limits)."""
+        decode_options: more DecodeNode arguments (max_lease_s, kv_tcp_limits). kv_push:
+        the prefill node's (`layer`, `step`; auto is `step` on a CPU)."""
         self.transport = InProcessTransport()
         self.tcp = tcp
+        self.token_events: dict[str, list[list[int]]] = {}   # rid -> each event's tokens
         push_transport = self.transport
         if tcp:
             from cluster.kv_transfer.tcp_transport import TcpTransport
             push_transport = TcpTransport(self.transport)
         self.prefill = PrefillNode(EngineConfig(model=str(folder), **prefill_opts),
                                    push_transport, chunk_bytes=1024,
-                                   decode_gate=StaticDecodeGate([DECODE_ADDRESS]))
+                                   decode_gate=StaticDecodeGate([DECODE_ADDRESS]),
+                                   kv_push=kv_push)
         self.decode = DecodeNode(EngineConfig(model=str(folder), **decode_opts), lease_s=lease_s,
                                  kv_tcp_listen="127.0.0.1:0" if tcp else None,
                                  **(decode_options or {}))
@@ -97,6 +100,7 @@ class PdPair:
         async def read() -> None:
             nonlocal finish
             async for ev in stream:
+                self.token_events.setdefault(rid, []).append(list(ev.tokens.token_ids))
                 tokens.extend(ev.tokens.token_ids)
                 logprobs.extend(logprobs_from_proto(ev.tokens.logprobs))
                 if ev.tokens.finish_reason:

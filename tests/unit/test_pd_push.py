@@ -29,8 +29,9 @@ def run(coro):
 
 
 async def _with_pair(folder, body, prefill_opts=None, decode_opts=None, lease_s=30.0,
-                     tcp=False):
-    pair = PdPair(folder, prefill_opts or OPTS, decode_opts or OPTS, lease_s, tcp=tcp)
+                     tcp=False, kv_push="auto"):
+    pair = PdPair(folder, prefill_opts or OPTS, decode_opts or OPTS, lease_s, tcp=tcp,
+                  kv_push=kv_push)
     pair.start()
     start = pair.free_blocks()
     try:
@@ -41,8 +42,11 @@ async def _with_pair(folder, body, prefill_opts=None, decode_opts=None, lease_s=
     assert not pair.decode.receiver.reservations
 
 
-@pytest.mark.parametrize("tcp", [False, True], ids=["inproc", "tcp-data-plane"])
-def test_pd_greedy_equals_single_node_llm(folder, tcp):
+@pytest.mark.parametrize("tcp,kv_push", [(False, "step"), (True, "step"), (False, "layer"),
+                                         (True, "layer")],
+                         ids=["inproc", "tcp-data-plane", "inproc-per-layer",
+                              "tcp-data-plane-per-layer"])
+def test_pd_greedy_equals_single_node_llm(folder, tcp, kv_push):
     prompts = random_prompts(6, [1, 4, 5, 9, 17, 33], 320, seed=3)
     prompts.append(prompts[4][:12] + [7, 8, 9])       # shares a prefix: decode cache hit
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
@@ -61,7 +65,21 @@ def test_pd_greedy_equals_single_node_llm(folder, tcp):
                 [e.logprob for e in w.logprobs], abs=1e-6)
             assert [[t for t, _ in e.top] for e in lps] == [[t for t, _ in e.top]
                                                             for e in w.logprobs]
-    run(_with_pair(folder, body, tcp=tcp))
+    run(_with_pair(folder, body, tcp=tcp, kv_push=kv_push))
+
+
+def test_the_first_token_streams_alone_as_soon_as_the_push_is_admitted(folder):
+    """The decode node's engine loop hands out what an admission made before it runs the
+    next step: the pushed first token is not held back for the decode step that makes the
+    second (a whole step of time to first token)."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    async def body(pair):
+        tokens, _, _ = await pair.generate("r", list(range(3, 14)), params)
+        events = pair.token_events["r"]
+        assert [t for ev in events for t in ev] == tokens and len(tokens) == 5
+        assert events[0] == tokens[:1], events
+    run(_with_pair(folder, body))
 
 
 def test_fingerprint_mismatch_is_refused_naming_the_field(folder):
