@@ -54,6 +54,12 @@ from router.policies.base import RoutingPolicy, RoutingRequest
 
 log = logging.getLogger("pdserve.router")
 
+# A request that finished while its Prefill reply was still on the way: the decode node
+# admitted the push (its tokens came), so the reply follows within moments. Waited for
+# this long rather than cancelled: a cancelled Prefill makes the prefill node count a
+# failed push, abort the request there and notify the decode node, and drops its trace.
+PREFILL_REPLY_GRACE_S = 5.0
+
 class PdBackend:
     def __init__(self, pool: NodePool, policy: RoutingPolicy, metrics: RouterMetrics, *,
                  max_model_len: int, lease_ms: int = 30_000, max_attempts: int = 4,
@@ -226,6 +232,7 @@ class PdBackend:
         dec.inflight += 1
         prefill_open = True
         prefill_cached = 0
+        finished = False
         log.info("[%s] prefill %s -> decode %s (%d prompt tokens)", rid, pre.node_id,
                  dec.node_id, len(prompt))
         phases = PhaseClock(self.metrics.phase)
@@ -278,11 +285,14 @@ class PdBackend:
                 phases.end("first_token")
                 cached = max(prefill_cached,
                              t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
+                finished = finish is not None
                 yield token_step(t, finish, params, original, cached, first_attempt,
                                  {"prefill": pre.node_id, "decode": dec.node_id})
-                if finish is not None:
+                if finished:
                     return
         finally:
+            if finished and prefill_open and not prefill.done():
+                await asyncio.wait({prefill}, timeout=PREFILL_REPLY_GRACE_S)
             dec.inflight -= 1
             if prefill_open:
                 pre.inflight -= 1

@@ -222,9 +222,11 @@ def test_a_request_is_one_trace_across_router_prefill_and_decode(pd):
     trace = secrets.token_hex(16)
     _complete(cluster.http_url, PD_PROMPT[:5], 3,
               headers={"traceparent": f"00-{trace}-{secrets.token_hex(8)}-01"})
-    assert wait_for(lambda: all(trace in traces(read(who), span) for who, span in [
-        ("router", "pdserve.request"), ("prefill", "prefill_node.Prefill"),
-        ("decode", "decode_node.Decode")]), 30)
+    roots = [("router", "pdserve.request"), ("prefill", "prefill_node.Prefill"),
+             ("decode", "decode_node.Decode")]
+    wait_for(lambda: all(trace in traces(read(who), span) for who, span in roots), 30)
+    for who, span in roots:
+        assert trace in traces(read(who), span), (who, span, read(who)[-3000:])
     for who, span in [("prefill", "prefill_node.Prefill"), ("decode", "decode_node.Decode")]:
         assert trace in traces(read(who), span), who
     for who, span in [("router", "router.prefill"), ("prefill", "kv_push"),

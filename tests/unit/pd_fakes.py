@@ -48,6 +48,7 @@ class Shared:
         self.prefill_requests: list = []
         self.reserve_requests: list = []
         self.cancelled: list[str] = []
+        self.prefill_cancelled: list[str] = []     # Prefill calls cancelled by the router
         self.prefill_failed: set[str] = set()
         self.decodes: list[FakeDecode] = []
 
@@ -99,8 +100,11 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None,
-                 hang: bool = False):
+                 hang: bool = False, reply_after: float = 0.0):
+        """reply_after: seconds between the push's end (the decode stream starts) and the
+        Prefill reply (a loaded prefill node)."""
         self.shared, self.fail, self.refuse, self.hang = shared, fail, refuse, hang
+        self.reply_after = reply_after
 
     async def Prefill(self, request, context):
         self.shared.prefill_requests.append(request)
@@ -114,6 +118,11 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
             await asyncio.sleep(0.2)
             await context.abort(self.refuse, "prompt token 999 is outside the vocabulary")
         self.shared.event(request.request_id).set()
+        try:
+            await asyncio.sleep(self.reply_after)
+        except asyncio.CancelledError:
+            self.shared.prefill_cancelled.append(request.request_id)
+            raise
         return node_pb2.PrefillReply(first_token_id=0, num_pushed_blocks=2)
 
 

@@ -296,3 +296,31 @@ def test_an_internal_error_on_one_pair_is_replayed_on_another_not_a_500():
     shared, tokens = _run(main())
     assert tokens == _expected(PROMPT, 4)
     assert [r.request_id for r in shared.prefill_requests] == ["r10", "r10.r1"]
+
+
+@pytest.mark.parametrize("reply_after,grace,cancelled", [(0.5, 30.0, []), (3600, 0.3, ["r9"])],
+                         ids=["reply-waited-for", "hung-reply-cancelled-after-the-grace"])
+def test_a_prefill_reply_still_on_its_way_when_the_request_finishes(monkeypatch, reply_after,
+                                                                    grace, cancelled):
+    """The decode node streamed every token, so the push was admitted and the Prefill reply
+    is on its way: the router waits for it (a cancelled Prefill would make the prefill node
+    count a failed push and abort the request there), for a bounded grace."""
+    import router.pd_backend as pd_backend
+
+    monkeypatch.setattr(pd_backend, "PREFILL_REPLY_GRACE_S", grace)
+
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}], [{"reply_after": reply_after}])
+        tokens, steps = await _collect(backend, "r9", PROMPT, 3)
+        await asyncio.sleep(0.2)          # a cancellation reaches the fake node
+        inflight = [n.inflight for n in pool.all()]
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return shared, tokens, steps, inflight
+
+    shared, tokens, steps, inflight = _run(main())
+    assert tokens == _expected(PROMPT, 3) and steps[-1].finish_reason == "length"
+    assert shared.prefill_cancelled == cancelled
+    assert inflight == [0, 0]
