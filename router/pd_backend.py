@@ -291,22 +291,24 @@ class PdBackend:
                 if finished:
                     return
         finally:
-            if finished and prefill_open and not prefill.done():
-                await asyncio.wait({prefill}, timeout=PREFILL_REPLY_GRACE_S)
             dec.inflight -= 1
             if prefill_open:
                 pre.inflight -= 1
-            for fut in (read, prefill, prefill_gone):
-                if fut is not None and not fut.done():
-                    fut.cancel()
-            call.cancel()
-            # Collect the cancelled calls' outcomes (a cancellation of this task itself
-            # still propagates out of gather).
-            await asyncio.gather(*(f for f in (read, prefill, prefill_gone) if f is not None),
-                                 return_exceptions=True)
-            await self.channels.release(dec.address)
-            await self.channels.release(pre.address)
-            self.admission.wake()            # this request's room is free again
+            try:
+                if finished and prefill_open and not prefill.done():
+                    await asyncio.wait({prefill}, timeout=PREFILL_REPLY_GRACE_S)
+            finally:                         # even when this task is cancelled meanwhile
+                for fut in (read, prefill, prefill_gone):
+                    if fut is not None and not fut.done():
+                        fut.cancel()
+                call.cancel()
+                # Collect the cancelled calls' outcomes (a cancellation of this task itself
+                # still propagates out of gather).
+                await asyncio.gather(*(f for f in (read, prefill, prefill_gone)
+                                       if f is not None), return_exceptions=True)
+                await self.channels.release(dec.address)
+                await self.channels.release(pre.address)
+                self.admission.wake()        # this request's room is free again
 
 
 def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
