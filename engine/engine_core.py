@@ -224,7 +224,9 @@ class LLMEngine:
         return outputs
 
     def settle(self) -> list[EngineOutput]:
-        """Apply the commands that arrived, without a step (a loop's last act)."""
+        """Apply the commands that arrived, without a step (a loop calls it before each step)."""
+        if not len(self.inbox) and not self._changed:      # nothing arrived: nothing to do
+            return []
         self.apply_commands()
         outputs = self.take_outputs([])
         self._refresh_load()
