@@ -1,5 +1,5 @@
 """The self-distillation corpus for tools/train_mtp.py: chat prompts on many topics (parts
-1-3), raw-text openings without a chat template (part 4, tools/mtp_raw.py), and the model's
+1-3 and 5), raw-text openings without a chat template (part 4, tools/mtp_raw.py), and the model's
 own greedy continuations of them (ignore_eos, as bench/spec_decode.py decodes), generated
 with pdserve's engine.
 
@@ -114,6 +114,15 @@ EXTRA_CHAT = ["Can you explain how {t} works?", "Write a letter to a friend abou
               "Compare {t} with something similar.", "Write a short essay on {t}."]
 
 
+# Part 5 (issue 15): ten more request styles on every training topic, greedy as the rest.
+MORE_CHAT = ["Write a dialogue between two friends about {t}.",
+             "Give step-by-step instructions related to {t}.",
+             "Answer the question: what is the most surprising fact about {t}?",
+             "Write a FAQ with three questions and answers about {t}.",
+             "Write a persuasive paragraph about {t}.", "Make an outline for a talk on {t}.",
+             "Write a diary entry about {t}.", "Explain a common misconception about {t}.",
+             "Write a short speech about {t}.", "Tell me a fun story involving {t}."]
+
 RAW_COUNT = 2400          # part 4's raw-text openings
 RAW_HELD_OUT = 64         # held-out raw-text openings (tools/mtp_raw.py held_out_raw_texts)
 
@@ -165,7 +174,8 @@ def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts,
     Part 1: TOPICS x CHAT, `per_topic` each; part 2: EXTRA_TOPICS x (CHAT + EXTRA_CHAT),
     `per_topic` + 2 each, and TOPICS x EXTRA_CHAT, 6 each; part 3: every pair of
     (TOPICS + EXTRA_TOPICS) x (CHAT + EXTRA_CHAT) not drawn yet; part 4: `raw_count`
-    raw-text openings (tools/mtp_raw.py, no chat template, from seed + 4)."""
+    raw-text openings (tools/mtp_raw.py, no chat template, from seed + 4); part 5: every
+    (TOPICS + EXTRA_TOPICS) x MORE_CHAT pair (no draw: the other parts are unchanged)."""
     from tools.mtp_raw import HELD_OUT_SEED, raw_prompts
     rng, used = random.Random(seed), set()
     topics = TOPICS[:num_topics]
@@ -175,6 +185,8 @@ def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts,
           + chat_prompts(topics, EXTRA_CHAT, tokenizer, 6, rng, used))
     p3 = unused_prompts(topics + EXTRA_TOPICS, CHAT + EXTRA_CHAT, tokenizer, used)
     out = {1: p1, 2: p2, 3: p3}
+    if 5 in parts:
+        out[5] = unused_prompts(topics + EXTRA_TOPICS, MORE_CHAT, tokenizer, set())
     if 4 in parts:
         out[4] = raw_prompts(tokenizer, seed + 4, raw_count)
     held_raw = raw_prompts(tokenizer, HELD_OUT_SEED, RAW_HELD_OUT, held_out=True)

@@ -1,7 +1,7 @@
 """Target features for tools/train_mtp.py: the corpus (tools/mtp_corpus.py, generated
 once per part and cached), and the target's final hidden states and top-K next-token
-log-probs at every position, computed once with dense causal attention and cached (the
-cache remembers the arguments it was made from)."""
+log-probs at every position, computed once with dense causal attention and cached per
+part (each part's cache remembers the arguments it was made from)."""
 
 from __future__ import annotations
 
@@ -101,16 +101,16 @@ def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
     return rms(seen["x"]), rms(h)
 
 
-def build_corpus(args, tok) -> tuple[list[tuple[list[int], int]], int, int]:
-    """(training sequences of every part asked for, then the held-out chat ones, then the
-    held-out raw-text ones; number of training sequences; number of held-out chat ones).
-    Each part's answers are cached beside --corpus-cache (part k in <stem>-part<k>.pt, the
-    held-out sets in <stem>-held.pt)."""
+def corpus_parts(args, tok) -> list[tuple[str, list[tuple[list[int], int]], int]]:
+    """[(name, sequences, held-out chat count)] for each training part asked for, then the
+    held-out sets ("held": the chat ones, then the raw-text ones). Each part's answers are
+    cached beside --corpus-cache (part k in <stem>-part<k>.pt, the held-out sets in
+    <stem>-held.pt)."""
     parts, held_chat, held_raw = corpus_prompts(tok, args.seed, args.num_topics,
                                                 args.templates_per_topic, args.parts,
                                                 args.raw_count)
     base = Path(args.corpus_cache) if args.corpus_cache else None
-    train: list = []
+    out = []
     named = [(f"part{k}", p) for k, p in parts.items()] + [("held", held_chat + held_raw)]
     for name, prompts in named:
         path = None if base is None else base.with_name(f"{base.stem}-{name}.pt")
@@ -123,47 +123,59 @@ def build_corpus(args, tok) -> tuple[list[tuple[list[int], int]], int, int]:
                 torch.save(got, path)
         if [s[:p] for s, p in got] != prompts:
             raise ValueError(f"the corpus cache {path} does not hold these prompts")
-        if name != "held":
-            train += got
-    return train + got, len(train), len(held_chat)
+        out.append((name, got, len(held_chat) if name == "held" else 0))
+    return out
 
 
-def build_features(args, tok):
-    """(toks, gen, hid, top_lp, top_id, residual scales), number of training sequences,
-    number of held-out chat sequences (the held-out raw-text ones follow them)."""
-    seqs, n_train, n_chat = build_corpus(args, tok)
-    n_gen = sum(len(s) - p for s, p in seqs[:n_train])
-    print(f"corpus: {n_train} training sequences ({n_gen} generated tokens, "
-          f"{sum(len(s) for s, _ in seqs[:n_train])} in all), {n_chat} + "
-          f"{len(seqs) - n_train - n_chat} held out (chat + raw)", flush=True)
-    seq_len = min(args.seq_len, max(len(s) for s, _ in seqs))
-    model, _ = load_model(args.model, getattr(torch, args.feature_dtype), torch.device("cpu"))
-    data = target_features(model, seqs, seq_len, args.topk, args.feature_batch)
-    # the scales in float32 from a float32 load (a bf16 load may hold its weights
-    # prepacked for oneDNN, which .float() does not convert)
-    model, _ = load_model(args.model, torch.float32, torch.device("cpu"))
-    return (*data, residual_scale(model, data[0][:2])), n_train, n_chat
+def cache_key(args, name: str, n: int) -> dict:
+    """What one part's feature cache was made from; a cache with another key is rebuilt."""
+    key = {k: getattr(args, k) for k in ("seed", "num_topics", "templates_per_topic",
+                                         "raw_count", "max_new", "gen_dtype",
+                                         "feature_dtype", "seq_len", "topk")}
+    return {**key, "part": name, "sequences": n}
 
 
-def cache_key(args) -> dict:
-    """What a feature cache was made from; a cache with another key is rebuilt."""
-    return {k: getattr(args, k) for k in ("parts", "seed", "num_topics",
-                                          "templates_per_topic", "raw_count", "max_new",
-                                          "gen_dtype", "feature_dtype", "seq_len", "topk")}
+def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Pad dim 1 with zeros (padding rows are outside the generated mask)."""
+    if t.shape[1] == length:
+        return t
+    pad = torch.zeros(t.shape[0], length - t.shape[1], *t.shape[2:], dtype=t.dtype)
+    return torch.cat((t, pad), 1)
 
 
 def load_or_build_features(args, tok):
     """((toks, gen, hid, top_lp, top_id, residual scales), number of training sequences,
-    number of held-out chat sequences), from --cache when it was made from these
-    arguments, else built (and saved there)."""
-    cache = Path(args.cache) if args.cache else None
-    if cache is not None and cache.is_file():
-        got = torch.load(cache)
-        if isinstance(got, dict) and got.get("key") == cache_key(args):
-            return got["data"], got["n_train"], got["n_chat"]
-        print(f"{cache} was made from other arguments: rebuilding", flush=True)
-    data, n_train, n_chat = build_features(args, tok)
-    if cache is not None:
-        torch.save({"key": cache_key(args), "data": data, "n_train": n_train,
-                    "n_chat": n_chat}, cache)
-    return data, n_train, n_chat
+    number of held-out chat sequences; the held-out raw-text ones follow them). Each
+    part's features are kept beside --cache (<stem>-<part>.pt), so adding a part computes
+    only that part's."""
+    base = Path(args.cache) if args.cache else None
+    model, pieces, n_train, n_chat = None, [], 0, 0
+    for name, seqs, chat in corpus_parts(args, tok):
+        key = cache_key(args, name, len(seqs))
+        path = None if base is None else base.with_name(f"{base.stem}-{name}.pt")
+        got = torch.load(path) if path is not None and path.is_file() else None
+        if got is not None and got.get("key") != key:
+            print(f"{path} was made from other arguments: rebuilding", flush=True)
+            got = None
+        if got is None:
+            n_gen = sum(len(s) - p for s, p in seqs)
+            print(f"{name}: {len(seqs)} sequences, {n_gen} generated tokens", flush=True)
+            if model is None:
+                model, _ = load_model(args.model, getattr(torch, args.feature_dtype),
+                                      torch.device("cpu"))
+            seq_len = min(args.seq_len, max(len(s) for s, _ in seqs))
+            got = {"key": key, "data": target_features(model, seqs, seq_len, args.topk,
+                                                        args.feature_batch)}
+            if path is not None:
+                torch.save(got, path)
+        pieces.append(got["data"])
+        if name == "held":
+            n_chat = chat
+        else:
+            n_train += len(seqs)
+    length = max(p[0].shape[1] for p in pieces)
+    data = tuple(torch.cat([_pad_to(p[i], length) for p in pieces]) for i in range(5))
+    # the scales in float32 from a float32 load (a bf16 load may hold its weights
+    # prepacked for oneDNN, which .float() does not convert)
+    model, _ = load_model(args.model, torch.float32, torch.device("cpu"))
+    return (*data, residual_scale(model, data[0][:2])), n_train, n_chat
