@@ -16,12 +16,14 @@ from tools.mtp_corpus import corpus_prompts, generate_corpus
 
 
 class DenseCausal:
-    """Training attention over [B, T] rows (no paged cache). Mode 1 keeps step-1 K/V;
-    mode 2 lets row r (position r+1) see step-1 keys at positions <= r and itself, which
-    is exactly what the engine's second draft step sees."""
+    """Training attention over [B, T] rows (no paged cache), for unrolled draft steps.
+    Mode 1 is causal and keeps its K/V; in mode m > 1, row r (position r+m-1) sees step-1
+    keys at positions <= r, the keys of its own row at steps 2 .. m-1, and itself, which
+    is exactly what the engine's m-th draft step sees (the draft cache holds the verified
+    positions' K/V, the earlier steps of this chain wrote theirs after them)."""
 
     def __init__(self, scale: float):
-        self.scale, self.shape, self.mode, self.kv1 = scale, (0, 0), 1, None
+        self.scale, self.shape, self.mode, self.kvs = scale, (0, 0), 1, []
 
     def prepare(self, meta, k_cache):
         """The model's once-per-forward plan: nothing to plan for dense attention."""
@@ -31,14 +33,16 @@ class DenseCausal:
         b, t = self.shape
         q4, k4, v4 = (x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
         if self.mode == 1:
-            self.kv1 = (k4, v4)
+            self.kvs = [(k4, v4)]
             o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=self.scale,
                                                enable_gqa=True)
         else:
-            k1, v1 = self.kv1
-            keys, vals = torch.cat((k1, k4), dim=2), torch.cat((v1, v4), dim=2)
+            self.kvs = self.kvs[:self.mode - 1] + [(k4, v4)]
+            keys = torch.cat([kv[0] for kv in self.kvs], dim=2)
+            vals = torch.cat([kv[1] for kv in self.kvs], dim=2)
             ar = torch.arange(t)
-            mask = torch.cat((ar[None, :] <= ar[:, None], torch.eye(t, dtype=torch.bool)), 1)
+            eye = torch.eye(t, dtype=torch.bool)
+            mask = torch.cat([ar[None, :] <= ar[:, None]] + [eye] * (self.mode - 1), 1)
             o = F.scaled_dot_product_attention(q4, keys, vals, attn_mask=mask,
                                                scale=self.scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])

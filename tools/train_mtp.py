@@ -118,22 +118,23 @@ def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor) -> t
     return -(p * student.gather(-1, ids.long())).sum(-1).mean()
 
 
-def run_head(mtp: MTPModule, dense: DenseCausal, toks, hid, second: bool):
-    """Step 1 (and the unrolled step 2) over a batch, every position (the head attends to
-    the prompt too); returns the head's hidden states (x1, x2|None), T-1 rows a sequence."""
+def run_head(mtp: MTPModule, dense: DenseCausal, toks, hid, steps: int):
+    """Draft step 1 and the unrolled steps 2 .. `steps` over a batch, every position (the
+    head attends to the prompt too); returns the head's hidden states per step, T-1 rows
+    a sequence. Step m's row r sits at position r+m-1, is fed the head's own hidden state
+    of step m-1 and the token x_{r+m}, and predicts x_{r+m+1}."""
     b, t = toks.shape
     n = t - 1
-    dense.shape, dense.mode = (b, n), 1
-    pos1 = torch.arange(n).repeat(b)
-    x1 = mtp(toks[:, 1:].reshape(-1), hid[:, :n].reshape(b * n, -1).float(), pos1,
-             None, None, None)
-    if not second:
-        return x1, None
-    dense.mode = 2
-    # row r: hidden of step-1 row r, token x_{r+2}, position r+1 (last row has no token)
-    nxt = torch.cat((toks[:, 2:], toks[:, -1:]), dim=1).reshape(-1)
-    x2 = mtp(nxt, x1, pos1 + 1, None, None, None)
-    return x1, x2
+    dense.shape = (b, n)
+    pos = torch.arange(n).repeat(b)
+    xs, prev = [], hid[:, :n].reshape(b * n, -1).float()
+    for m in range(1, steps + 1):
+        dense.mode = m
+        # the last m-1 rows of a sequence have no token: they repeat the last one (masked)
+        nxt = torch.cat([toks[:, m:]] + [toks[:, -1:]] * (m - 1), dim=1).reshape(-1)
+        prev = mtp(nxt, prev, pos + (m - 1), None, None, None)
+        xs.append(prev)
+    return xs
 
 
 def head_logits(mtp: MTPModule, x: torch.Tensor, vocab: torch.Tensor | None = None
@@ -145,37 +146,39 @@ def head_logits(mtp: MTPModule, x: torch.Tensor, vocab: torch.Tensor | None = No
     return (mtp.shared_head_norm(x) @ w.t()).float()
 
 
-def step_targets(gen, top_lp, top_id):
-    """Teacher log-probs, ids and row masks for step 1 (row t -> position t+1) and the
-    unrolled step 2 (row t -> position t+2), each with T-1 rows per sequence. A row counts
-    when the token it is fed is a generated one: that is when the engine drafts."""
-    b = gen.shape[0]
-    pad = torch.zeros(b, 1, dtype=torch.bool)
-    lp1, id1, m1 = top_lp[:, 1:], top_id[:, 1:], gen[:, 1:]
-    lp2 = torch.cat((top_lp[:, 2:], top_lp[:, -1:]), 1)
-    id2 = torch.cat((top_id[:, 2:], top_id[:, -1:]), 1)
-    m2 = torch.cat((gen[:, 2:], pad), 1)
-    k = top_lp.shape[-1]
-    return ((lp1.reshape(-1, k), id1.reshape(-1, k), m1.reshape(-1)),
-            (lp2.reshape(-1, k), id2.reshape(-1, k), m2.reshape(-1)))
+def step_targets(gen, top_lp, top_id, steps: int):
+    """Per draft step m: teacher log-probs, ids and row mask (row t -> the distribution at
+    position t+m), T-1 rows per sequence. A row counts when the token it is fed (x_{t+m})
+    is a generated one: that is when the engine drafts."""
+    b, k = gen.shape[0], top_lp.shape[-1]
+    out = []
+    for m in range(1, steps + 1):
+        lp = torch.cat([top_lp[:, m:]] + [top_lp[:, -1:]] * (m - 1), 1)
+        ids = torch.cat([top_id[:, m:]] + [top_id[:, -1:]] * (m - 1), 1)
+        mask = torch.cat((gen[:, m:], torch.zeros(b, m - 1, dtype=torch.bool)), 1)
+        out.append((lp.reshape(-1, k), ids.reshape(-1, k), mask.reshape(-1)))
+    return out
 
 
-def evaluate(mtp, dense, data, idx) -> tuple[float, float]:
-    """Top-1 agreement with the target on generated positions of `idx`, for draft step 1
-    and step 2 (step 2 counted only where step 1 agreed, as the engine accepts it)."""
+def evaluate(mtp, dense, data, idx, steps: int = 3) -> tuple[float, ...]:
+    """Top-1 agreement with the target on generated positions of `idx`: draft step 1,
+    then each later step counted only where every step before it agreed (as the engine
+    accepts a chain), over the rows where the step before it agreed."""
     toks, gen, hid, top_lp, top_id = data
-    hits1 = hits2 = n = 0
+    hits, n = [0] * steps, 0
     with torch.no_grad():
         for i in range(0, len(idx), 4):
             b = idx[i:i + 4]
-            x1, x2 = run_head(mtp, dense, toks[b], hid[b], True)
-            (_, id1, m1), (_, id2, m2) = step_targets(gen[b], top_lp[b], top_id[b])
-            ok1 = (head_logits(mtp, x1).argmax(-1) == id1[:, 0].long()) & m1
-            ok2 = (head_logits(mtp, x2).argmax(-1) == id2[:, 0].long()) & m2
-            hits1 += ok1.sum().item()
-            hits2 += (ok1 & ok2).sum().item()
-            n += m1.sum().item()
-    return hits1 / max(n, 1), hits2 / max(hits1, 1)
+            xs = run_head(mtp, dense, toks[b], hid[b], steps)
+            ok = None
+            for m, (x, (_, ids, mask)) in enumerate(
+                    zip(xs, step_targets(gen[b], top_lp[b], top_id[b], steps), strict=True)):
+                hit = (head_logits(mtp, x).argmax(-1) == ids[:, 0].long()) & mask
+                ok = hit if ok is None else ok & hit
+                hits[m] += ok.sum().item()
+                if m == 0:
+                    n += mask.sum().item()
+    return tuple(h / max(d, 1) for h, d in zip(hits, [n] + hits[:-1], strict=True))
 
 
 def evaluate_sets(mtp, dense, data, held: dict[str, list[int]]) -> dict[str, tuple]:
@@ -183,8 +186,9 @@ def evaluate_sets(mtp, dense, data, held: dict[str, list[int]]) -> dict[str, tup
 
 
 def describe(scores: dict[str, tuple]) -> str:
-    return "; ".join(f"{name}: step1 {a1:.3f} step2|step1 {a2:.3f}"
-                     for name, (a1, a2) in scores.items())
+    return "; ".join(f"{name}: step1 {a[0]:.3f} " + " ".join(
+        f"step{j + 1}|{j} {x:.3f}" for j, x in enumerate(a[1:], 1))
+        for name, a in scores.items())
 
 
 def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list[int]]
@@ -193,6 +197,10 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
     printed after every epoch and the head keeps the weights of the best epoch (by the
     sum of the sets' step-1 agreements)."""
     toks, gen, hid, top_lp, top_id = data
+    # loss weight per draft step; trailing zero weights: those steps are not unrolled
+    weights = [1.0, args.step2_weight, args.step3_weight]
+    while weights[-1] == 0:
+        weights.pop()
     best, best_state = -1.0, None
     opt = torch.optim.AdamW(mtp.parameters(), lr=args.lr, weight_decay=0.0)
     order = list(range(n_train))
@@ -208,23 +216,21 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
         rng.shuffle(order)
         for i in range(0, n_train, args.batch):
             b = order[i:i + args.batch]
-            (lp1, id1, m1), (lp2, id2, m2) = step_targets(gen[b], top_lp[b], top_id[b])
-            sel1, sel2 = m1.nonzero().squeeze(1), m2.nonzero().squeeze(1)
+            targets = step_targets(gen[b], top_lp[b], top_id[b], len(weights))
+            sels = [mask.nonzero().squeeze(1) for _, _, mask in targets]
             # sampled softmax: the teachers' candidates plus random negatives
-            vocab = torch.unique(torch.cat((id1[sel1].reshape(-1).long(),
-                                            id2[sel2].reshape(-1).long(),
-                                            torch.randint(0, vocab_size,
-                                                          (args.negatives,)))))
+            vocab = torch.unique(torch.cat([ids[sel].reshape(-1).long() for (_, ids, _), sel
+                                            in zip(targets, sels, strict=True)]
+                                           + [torch.randint(0, vocab_size, (args.negatives,))]))
             remap = torch.zeros(vocab_size, dtype=torch.int64)
             remap[vocab] = torch.arange(vocab.numel())
             with amp:
-                x1, x2 = run_head(mtp, dense, toks[b], hid[b], args.step2_weight > 0)
-                l1 = distill_loss(head_logits(mtp, x1[sel1], vocab), lp1[sel1],
-                                  remap[id1[sel1].long()])
-                loss = l1
-                if x2 is not None:
-                    loss = l1 + args.step2_weight * distill_loss(
-                        head_logits(mtp, x2[sel2], vocab), lp2[sel2], remap[id2[sel2].long()])
+                xs = run_head(mtp, dense, toks[b], hid[b], len(weights))
+                losses = [distill_loss(head_logits(mtp, x[sel], vocab), lp[sel],
+                                       remap[ids[sel].long()])
+                          for x, sel, (lp, ids, _) in zip(xs, sels, targets, strict=True)]
+                l1 = losses[0]
+                loss = sum(w * part for w, part in zip(weights, losses, strict=True))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
@@ -235,7 +241,7 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
             bar.set_postfix(loss1=f"{ema:.3f}")
         scores = evaluate_sets(mtp, dense, data, held)
         tqdm.write(f"epoch {epoch + 1}: held-out agreement {describe(scores)}")
-        a1 = sum(a for a, _ in scores.values())
+        a1 = sum(a[0] for a in scores.values())
         if a1 > best:
             best, best_state = a1, {k: v.clone() for k, v in mtp.state_dict().items()}
     bar.close()
@@ -270,7 +276,10 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--bf16-train", action=argparse.BooleanOptionalAction, default=True,
                     help="bf16 autocast for the head's training matmuls (weights stay fp32)")
-    ap.add_argument("--step2-weight", type=float, default=0.5)
+    ap.add_argument("--step2-weight", type=float, default=0.5,
+                    help="loss weight of the unrolled second draft step")
+    ap.add_argument("--step3-weight", type=float, default=0.0,
+                    help="loss weight of an unrolled third draft step (0: not unrolled)")
     ap.add_argument("--negatives", type=int, default=4096,
                     help="random vocabulary entries added to each step's sampled softmax")
     ap.add_argument("--draft-vocab", type=int, default=8192,
@@ -331,7 +340,7 @@ def main() -> int:
     meta = {"format": "pdserve-mtp", "target": Path(args.model).name,
             "num_hidden_layers": str(cfg.num_hidden_layers),
             **{f"heldout_{name}_top1_step{j + 1}": f"{a[j]:.4f}"
-               for name, a in scores.items() for j in range(2)},
+               for name, a in scores.items() for j in range(len(a))},
             "args": json.dumps(vars(args))}
     save_file(tensors, str(out), metadata=meta)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.time() - t0:.0f}s")

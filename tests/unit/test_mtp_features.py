@@ -94,3 +94,61 @@ def test_a_part_cache_from_other_arguments_is_rebuilt(tiny, tmp_path, monkeypatc
     data, _, _ = features.load_or_build_features(_args(folder, tmp_path, [1], topk=6), tok)
     assert computed == [2, 112]
     assert data[4].shape[-1] == 6
+
+
+def test_unrolled_step_attention_sees_what_the_engine_draft_sees():
+    """Step m's row r (position r+m-1) attends to step-1 keys at positions <= r (the
+    verified positions' draft K/V), its own row's keys of steps 2 .. m-1 (written by this
+    draft chain) and itself; checked against one explicit softmax per row."""
+    torch.manual_seed(0)
+    b, t, heads, kv_heads, d = 2, 5, 4, 2, 8
+    dense = features.DenseCausal(d ** -0.5)
+    dense.shape = (b, t)
+    steps = [tuple(torch.randn(b * t, n, d) for n in (heads, kv_heads, kv_heads))
+             for _ in range(3)]
+    for m, (q, k, v) in enumerate(steps, 1):
+        dense.mode = m
+        got = dense(q, k, v, None, None, None).view(b, t, heads, d)
+        for s in range(b):
+            for r in range(t):
+                keys = [steps[0][1].view(b, t, kv_heads, d)[s, :r + 1]]
+                vals = [steps[0][2].view(b, t, kv_heads, d)[s, :r + 1]]
+                for j in range(1, m):
+                    keys.append(steps[j][1].view(b, t, kv_heads, d)[s, r:r + 1])
+                    vals.append(steps[j][2].view(b, t, kv_heads, d)[s, r:r + 1])
+                kk = torch.cat(keys).repeat_interleave(heads // kv_heads, 1)   # [n, H, d]
+                vv = torch.cat(vals).repeat_interleave(heads // kv_heads, 1)
+                qq = q.view(b, t, heads, d)[s, r]                               # [H, d]
+                w = torch.softmax(torch.einsum("hd,nhd->hn", qq, kk) * d ** -0.5, -1)
+                want = torch.einsum("hn,nhd->hd", w, vv)
+                torch.testing.assert_close(got[s, r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_train_mtp_end_to_end_with_three_unrolled_steps(tiny, tmp_path, monkeypatch):
+    """tools/train_mtp.py from corpus to a head the engine loads, with a third unrolled
+    step: held-out agreement is reported for every step and the head carries its draft
+    vocabulary."""
+    import sys
+
+    from safetensors import safe_open
+
+    import tools.train_mtp as train_mtp
+    from engine.models.loader import load_model
+    from engine.models.mtp import load_mtp
+    folder, _ = tiny
+    out = tmp_path / "draft" / "head.safetensors"
+    monkeypatch.setattr(sys, "argv", [
+        "train_mtp", "--model", str(folder), "--out", str(out), "--parts", "1",
+        "--num-topics", "2", "--templates-per-topic", "2", "--raw-count", "3",
+        "--max-new", "6", "--gen-dtype", "float32", "--feature-dtype", "float32",
+        "--topk", "4", "--epochs", "2", "--batch", "2", "--negatives", "16",
+        "--draft-vocab", "40", "--draft-vocab-first-ids", "64", "--step3-weight", "0.5",
+        "--corpus-cache", str(tmp_path / "corpus.pt"), "--cache", str(tmp_path / "f.pt")])
+    assert train_mtp.main() == 0
+    meta = safe_open(str(out), "pt").metadata()
+    for name in ("chat", "raw"):
+        for step in (1, 2, 3):
+            assert 0.0 <= float(meta[f"heldout_{name}_top1_step{step}"]) <= 1.0
+    model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
+    mtp = load_mtp(folder, model, torch.float32, torch.device("cpu"), draft_folder=out.parent)
+    assert mtp.draft_vocab is not None and 64 <= mtp.draft_vocab.numel() <= 104
