@@ -2,36 +2,32 @@
 
 No data is downloaded: the corpus is the model's own greedy continuations
 (tools/mtp_corpus.py), generated with pdserve's engine in bfloat16 at batch 256,
-ignore_eos, as the bench decodes, in four parts (`corpus_prompts`, each cached on its
+ignore_eos, as the bench decodes, in five parts (`corpus_prompts`, each cached on its
 own): chat requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics
 and 10 more styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text
 openings without a chat template (tools/mtp_raw.py: code in 12 languages and forms,
-prose, lists, dialogue, questions). Held out, for the agreement printed after every
-epoch: 48 chat requests on 12 topics kept out of training and 64 raw openings whose
-subjects and code tasks no training opening uses. Then, once: the target's final hidden
-states h_t (the tensor the engine hands the draft) and its top-K next-token distributions
-at every position are computed and kept (--cache, rebuilt when the arguments change).
-Only the head trains: at row t it sees (h_t, x_{t+1}) and learns the target's
-distribution at t+1, the prediction of x_{t+2}; a second, unrolled step feeds the head's
-own hidden state back with x_{t+2} (as the engine's later draft steps do) and learns the
-distribution at t+2. The loss and the held-out agreement count only rows whose input
-token is a generated one (that is where the engine drafts), not the prompt or template.
+prose, lists, dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339
+topics. Held out, for the agreement printed after every epoch: 48 chat requests on 12
+topics kept out of training and 64 raw openings whose subjects and code tasks no
+training opening uses. Then, once per part: the target's final hidden states h_t (the
+tensor the engine hands the draft) and its top-K next-token distributions at every
+position are computed and kept (--cache, one file per part, rebuilt when the arguments
+change). Only the head trains: at row t it sees (h_t, x_{t+1}) and learns the target's
+distribution at t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
+--step3-weight) feed the head's own hidden state back with the next token, attending as
+the engine's later draft steps do, and learn the distributions after it. The loss and
+the held-out agreement count only rows whose input token is a generated one (that is
+where the engine drafts), not the prompt or template.
 
 The decoder layer starts as a copy of the target's last layer and shared_head.norm as its
 final norm, or (--init) as a head trained before. The result is a small safetensors file
 under DeepSeek-V3 keys (model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
-The head before issue 15 was made from chat parts 1-3 with the defaults otherwise, two
-torch threads (~55 min):
-
-    python tools/train_mtp.py --model ~/.cache/pdserve/models/SmolLM2-135M-Instruct \
-        --out launch/assets/smollm2_mtp.safetensors --threads 2 --parts 1,2,3 \
-        --corpus-cache /tmp/mtp3/corpus.pt --cache /tmp/mtp3/feat.pt
-
-With issue 15's raw part: `--parts 1,2,3,4` from scratch, or `--init
-launch/assets/smollm2_mtp.safetensors --parts 1,4 --epochs 1` to continue that head; the
-commands and the measured costs are in docs/PERFORMANCE.md, "Speculative decoding (MTP)";
-the shipped head is the parts 1-3 head continued two epochs on parts 1 and 4 (~30 min).
+The shipped head was grown in stages, each continuing the one before with --init (the
+commands and the measured costs are in docs/PERFORMANCE.md, "Speculative decoding
+(MTP)"): chat parts 1-3 from the target's last layer (5 epochs, ~55 min); two epochs on
+parts 1 and 4 (~30 min); two epochs on parts 1, 4 and 5 at --lr 1e-3 (~35 min with part
+5's corpus and features); one epoch more at --lr 5e-4 with --step3-weight 0.3 (~12 min).
 The caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 
