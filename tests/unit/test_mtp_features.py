@@ -144,7 +144,11 @@ def test_train_mtp_end_to_end_with_three_unrolled_steps(tiny, tmp_path, monkeypa
         "--topk", "4", "--epochs", "2", "--batch", "2", "--negatives", "16",
         "--draft-vocab", "40", "--draft-vocab-first-ids", "64", "--step3-weight", "0.5",
         "--corpus-cache", str(tmp_path / "corpus.pt"), "--cache", str(tmp_path / "f.pt")])
-    assert train_mtp.main() == 0
+    threads = torch.get_num_threads()
+    try:
+        assert train_mtp.main() == 0
+    finally:
+        torch.set_num_threads(threads)      # main() sets the process's thread count
     meta = safe_open(str(out), "pt").metadata()
     for name in ("chat", "raw"):
         for step in (1, 2, 3):
