@@ -90,7 +90,8 @@ class _NoCache:
 @torch.no_grad()
 def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
     """Median RMS of the residual stream entering the target's final norm (the scale its
-    last layer works at) and of the final hidden states."""
+    last layer works at) and of the final hidden states. `model`: a float32 load (a bf16
+    load may hold its weights prepacked for oneDNN, which .float() does not convert)."""
     dense = DenseCausal(model.config.head_dim ** -0.5)
     model.attention = dense
     for layer in model.layers:
@@ -105,19 +106,26 @@ def residual_scale(model, toks: torch.Tensor) -> tuple[float, float]:
     return rms(seen["x"]), rms(h)
 
 
-def corpus_parts(args, tok) -> list[tuple[str, list[tuple[list[int], int]], int]]:
-    """[(name, sequences, held-out chat count)] for each training part asked for, then the
-    held-out sets ("held": the chat ones, then the raw-text ones). Each part's answers are
-    cached beside --corpus-cache (part k in <stem>-part<k>.pt, the held-out sets in
-    <stem>-held.pt)."""
+def _part_path(cache: str | None, name: str) -> Path | None:
+    """Where part `name` of a cache lives: beside `cache`, as <stem>-<name>.pt."""
+    if not cache:
+        return None
+    base = Path(cache)
+    return base.with_name(f"{base.stem}-{name}.pt")
+
+
+def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]]], int]:
+    """([(name, sequences)] for each training part asked for, then the held-out sets
+    ("held": the chat ones, then the raw-text ones); number of held-out chat sequences).
+    Each part's answers are cached beside --corpus-cache (part k in <stem>-part<k>.pt, the
+    held-out sets in <stem>-held.pt)."""
     parts, held_chat, held_raw = corpus_prompts(tok, args.seed, args.num_topics,
                                                 args.templates_per_topic, args.parts,
                                                 args.raw_count)
-    base = Path(args.corpus_cache) if args.corpus_cache else None
     out = []
     named = [(f"part{k}", p) for k, p in parts.items()] + [("held", held_chat + held_raw)]
     for name, prompts in named:
-        path = None if base is None else base.with_name(f"{base.stem}-{name}.pt")
+        path = _part_path(args.corpus_cache, name)
         if path is not None and path.is_file():
             got = torch.load(path)
         else:
@@ -127,8 +135,8 @@ def corpus_parts(args, tok) -> list[tuple[str, list[tuple[list[int], int]], int]
                 torch.save(got, path)
         if [s[:p] for s, p in got] != prompts:
             raise ValueError(f"the corpus cache {path} does not hold these prompts")
-        out.append((name, got, len(held_chat) if name == "held" else 0))
-    return out
+        out.append((name, got))
+    return out, len(held_chat)
 
 
 def cache_key(args, name: str, n: int) -> dict:
@@ -148,15 +156,15 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def load_or_build_features(args, tok):
-    """((toks, gen, hid, top_lp, top_id, residual scales), number of training sequences,
+    """((toks, gen, hid, top_lp, top_id), number of training sequences,
     number of held-out chat sequences; the held-out raw-text ones follow them). Each
     part's features are kept beside --cache (<stem>-<part>.pt), so adding a part computes
     only that part's."""
-    base = Path(args.cache) if args.cache else None
-    model, pieces, n_train, n_chat = None, [], 0, 0
-    for name, seqs, chat in corpus_parts(args, tok):
+    model, pieces, n_train = None, [], 0
+    parts, n_chat = corpus_parts(args, tok)
+    for name, seqs in parts:
         key = cache_key(args, name, len(seqs))
-        path = None if base is None else base.with_name(f"{base.stem}-{name}.pt")
+        path = _part_path(args.cache, name)
         got = torch.load(path) if path is not None and path.is_file() else None
         if got is not None and got.get("key") != key:
             print(f"{path} was made from other arguments: rebuilding", flush=True)
@@ -173,13 +181,8 @@ def load_or_build_features(args, tok):
             if path is not None:
                 torch.save(got, path)
         pieces.append(got["data"])
-        if name == "held":
-            n_chat = chat
-        else:
+        if name != "held":
             n_train += len(seqs)
     length = max(p[0].shape[1] for p in pieces)
     data = tuple(torch.cat([_pad_to(p[i], length) for p in pieces]) for i in range(5))
-    # the scales in float32 from a float32 load (a bf16 load may hold its weights
-    # prepacked for oneDNN, which .float() does not convert)
-    model, _ = load_model(args.model, torch.float32, torch.device("cpu"))
-    return (*data, residual_scale(model, data[0][:2])), n_train, n_chat
+    return data, n_train, n_chat

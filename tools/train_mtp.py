@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.mtp import _FUSED, _PARTS, DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
 from tools.mtp_corpus import RAW_COUNT, TOPICS  # noqa: E402
-from tools.mtp_features import DenseCausal, load_or_build_features  # noqa: E402
+from tools.mtp_features import DenseCausal, load_or_build_features, residual_scale  # noqa: E402
 
 
 def init_from_target(mtp: MTPModule, model, scales: tuple[float, float]) -> None:
@@ -297,8 +297,7 @@ def main() -> int:
     from engine.tokenizer import Tokenizer
     tok = Tokenizer(args.model)
     data, n_train, n_chat = load_or_build_features(args, tok)
-    toks, gen, hid, top_lp, top_id, scale = data
-    data = data[:5]
+    toks, gen = data[:2]
     print(f"features ready: {n_train} training sequences, {int(gen[:n_train].sum())} "
           f"generated positions ({time.time() - t0:.0f}s)", flush=True)
 
@@ -312,7 +311,7 @@ def main() -> int:
     if args.init:
         load_head(mtp, args.init, f"model.layers.{cfg.num_hidden_layers}.")
     else:
-        init_from_target(mtp, model, scale)
+        init_from_target(mtp, model, residual_scale(model, toks[:2]))
     held = {"chat": list(range(n_train, n_train + n_chat)),
             "raw": list(range(n_train + n_chat, toks.shape[0]))}
     print("held-out top-1 agreement on generated positions before training: "

@@ -70,12 +70,12 @@ def test_features_are_cached_per_part_and_rows_match_their_sequences(tiny, tmp_p
         _args(folder, tmp_path, [1, 4]), tok)
     assert computed == [3]                    # only part 4's 3 openings are new
     assert (n_train, n_chat) == (5, 48)
-    toks, gen, hid, top_lp, top_id, _ = data
+    toks, gen, hid, top_lp, top_id = data
     assert hid.shape[:2] == toks.shape and hid.dtype == torch.bfloat16
     assert toks.shape[0] == gen.shape[0] == hid.shape[0] == top_id.shape[0] == 5 + 112
     # rows in order part 1, part 4, held out; each row is its own sequence
-    seqs = [s for _, got, _ in features.corpus_parts(_args(folder, tmp_path, [1, 4]), tok)
-            for s in got]
+    parts, _ = features.corpus_parts(_args(folder, tmp_path, [1, 4]), tok)
+    seqs = [s for _, got in parts for s in got]
     for i, (s, plen) in enumerate(seqs):
         assert toks[i, :len(s)].tolist() == s
         assert gen[i].nonzero().squeeze(1).tolist() == list(range(plen, len(s)))
