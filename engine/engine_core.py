@@ -46,6 +46,7 @@ from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculative import build_speculative_worker, prepare_target
 from engine.tokenizer import load_tokenizer
 from engine.worker import Worker
 
@@ -87,10 +88,10 @@ class LLMEngine:
         self.builder = BatchInputBuilder(bs, mc.vocab_size, config.min_decoding_batch_size)
         graph = (GraphOptions.from_engine_config(config, self.max_model_len)
                  if config.enable_graph else None)
+        prepare_target(config, self.model)      # before the Worker sizes graph buffers
         self.worker = Worker(self.model, self.kv_cache, self.device, graph)
         self.speculative = None     # SpeculativeWorker when speculative_method is set
         if config.speculative_method is not None:
-            from engine.speculative import build_speculative_worker
             self.speculative = build_speculative_worker(self)
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0,

@@ -10,16 +10,19 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.loader import load_model
-from engine.models.mtp import MTPModule
+from engine.models.mtp import AUX_LAYERS_KEY, MTPModule
 
 _MIMO = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
          "shared_head.norm": "final_layernorm"}
 
 
-def random_mtp_tensors(folder: Path, prefix: str, seed: int = 1) -> dict[str, torch.Tensor]:
+def random_mtp_tensors(folder: Path, prefix: str, seed: int = 1,
+                       aux_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """Random head weights; with `aux_layers`, a head that also reads those target
+    layers' residual streams (its aux projection and layer ids)."""
     model, cfg = load_model(folder, torch.float32, torch.device("cpu"))
     torch.manual_seed(seed)
-    mtp = MTPModule(cfg, model.embed_tokens, model.lm_head)
+    mtp = MTPModule(cfg, model.embed_tokens, model.lm_head, aux_layers=aux_layers)
     with torch.no_grad():
         for name, p in mtp.named_parameters():
             if "norm" in name:
@@ -28,19 +31,24 @@ def random_mtp_tensors(folder: Path, prefix: str, seed: int = 1) -> dict[str, to
                 p.copy_(0.05 * torch.randn_like(p))
             else:
                 p.copy_(0.05 * torch.randn_like(p))
-    return mtp.hf_state_dict(prefix)
+    out = mtp.hf_state_dict(prefix)
+    if aux_layers:
+        out[prefix + AUX_LAYERS_KEY] = torch.tensor(aux_layers, dtype=torch.int64)
+    return out
 
 
-def with_mtp(folder: Path, dest: Path, layout: str = "deepseek", seed: int = 1) -> Path:
+def with_mtp(folder: Path, dest: Path, layout: str = "deepseek", seed: int = 1,
+             aux_layers: tuple[int, ...] = ()) -> Path:
     """Copy the tiny model `folder` to `dest` with random MTP weights added:
     layout "deepseek" (model.layers.{N}.*) or "mimo" (model.mtp_layers.0.*), and
-    num_nextn_predict_layers: 1 in config.json."""
+    num_nextn_predict_layers: 1 in config.json; `aux_layers`: a head reading those
+    target layers too."""
     if (dest / "config.json").is_file():
         return dest
     shutil.copytree(folder, dest)
     cfg = json.loads((dest / "config.json").read_text())
     n = cfg["num_hidden_layers"]
-    tensors = random_mtp_tensors(folder, f"model.layers.{n}.", seed)
+    tensors = random_mtp_tensors(folder, f"model.layers.{n}.", seed, aux_layers)
     if layout == "mimo":
         renamed = {}
         for k, v in tensors.items():

@@ -73,7 +73,7 @@ class GraphExecutor:
         dtype = next(model.parameters()).dtype
         self.buffers = GraphBuffers(self.buckets.largest, options.max_tokens_per_seq,
                                     options.max_blocks_per_seq, options.block_size,
-                                    model.config.hidden_size, dtype, device.torch_device)
+                                    model.output_width, dtype, device.torch_device)
         self.pool = device.graph_pool_handle()
         self.capture_stream = device.new_stream(high_priority=True)
         self.graphs: dict[GraphKey, object] = {}

@@ -6,7 +6,10 @@ layers use are a KernelOptions value passed at construction too (engine/layers/
 kernel_options.py). The forward takes everything it needs as arguments (no globals):
 token ids, positions, the KV cache and the attention metadata, which the attention
 backend prepares once into the plan every layer shares; it returns final-norm hidden
-states, and `logits` computes the LM head on the selected rows only.
+states, and `logits` computes the LM head on the selected rows only. An MTP head that
+also reads mid-layer features (EAGLE-3 style) has the target return, after the final
+hidden state on each row, the residual streams after the layers in `aux_layers`
+(`set_aux_layers`, called before any executor is built: graph buffers take the width).
 
 q/k/v and gate/up are fused into one matmul each at load time (engine/models/loader.py).
 """
@@ -114,6 +117,21 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # register the shared rotary tables once, so .to(device) moves them
         self.rotary = rotary
+        self.aux_layers: tuple[int, ...] = ()
+
+    def set_aux_layers(self, layers: tuple[int, ...] | list[int]) -> None:
+        """Also return the residual stream after each of these layers (ascending), after
+        the final hidden state on each row: rows of `output_width` values."""
+        layers = tuple(int(i) for i in layers)
+        n = self.config.num_hidden_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < n for i in layers):
+            raise ValueError(f"aux layers {list(layers)} must be ascending, distinct "
+                             f"and in 0..{n - 1} (the model has {n} layers)")
+        self.aux_layers = layers
+
+    @property
+    def output_width(self) -> int:
+        return self.config.hidden_size * (1 + len(self.aux_layers))
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -123,11 +141,15 @@ class DecoderForCausalLM(nn.Module):
         # likewise the rotary's cos/sin: gathered in this forward (in a graph's capture
         # too), never reused from an earlier one
         self.rotary.begin_forward()
-        x, residual = self.embed_tokens(token_ids), None
+        x, residual, aux = self.embed_tokens(token_ids), None, []
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], plan)
-        return self.norm.add(x, residual)[0]
+            if i in self.aux_layers:
+                aux.append(x + residual)
+        hidden = self.norm.add(x, residual)[0]
+        return torch.cat([hidden, *aux], dim=-1) if aux else hidden
 
     def logits(self, hidden: torch.Tensor, selected_token_idxes: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that will be sampled only (seed step 3), in float32."""
-        return self.lm_head(hidden.index_select(0, selected_token_idxes)).float()
+        final = hidden[:, :self.config.hidden_size]     # the whole row without aux layers
+        return self.lm_head(final.index_select(0, selected_token_idxes)).float()

@@ -17,6 +17,12 @@ under DeepSeek-V3 keys `model.layers.{num_hidden_layers}.{enorm,hnorm,eh_proj,
 shared_head.norm,<decoder layer>}` or MiMo keys `model.mtp_layers.0.{token_layernorm,
 hidden_layernorm,input_proj,final_layernorm,<decoder layer>}`, or in a separate draft folder
 holding either layout.
+
+A head may also read target features from inside the model (EAGLE-3 style): with
+`aux_layers` (int64 ids under `{prefix}aux_layers`), the target returns the residual
+streams after those layers too (DecoderForCausalLM.set_aux_layers) and the hidden state
+step 1 drafts from is `draft_input`'s h_t + aux_proj(cat(rms(a_t^l) for l in aux_layers))
+(`{prefix}aux_proj.weight`). Later steps feed back the draft's own hidden state.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -42,6 +49,7 @@ _PARTS = {
     "hnorm": ("hnorm", "hidden_layernorm"),
     "eh_proj": ("eh_proj", "input_proj"),
     "shared_head_norm": ("shared_head.norm", "final_layernorm"),
+    "aux_proj": ("aux_proj", "aux_proj"),       # pdserve's mid-layer features (optional)
 }
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -49,12 +57,13 @@ _FUSED = {
 }
 _MIMO_PREFIX = "model.mtp_layers.0."
 DRAFT_VOCAB_KEY = "draft_vocab"     # optional int64 token ids, next to the MTP weights
+AUX_LAYERS_KEY = "aux_layers"       # optional int64 target layer ids (mid-layer features)
 
 
 class MTPModule(nn.Module):
     def __init__(self, cfg: ModelConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear,
                  attention_backend: str | object = "sdpa", hidden_first: bool = False,
-                 kernels: KernelOptions = DEFAULT_KERNELS):
+                 kernels: KernelOptions = DEFAULT_KERNELS, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         from engine.layers.rotary import RotaryEmbedding
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -69,6 +78,10 @@ class MTPModule(nn.Module):
         self.layer = DecoderLayer(cfg, self.rotary, backend, kernels)
         self.shared_head_norm = RMSNorm(h, eps, kernels)
         self.hidden_first = hidden_first          # MiMo concatenates (h, e)
+        self.hidden_size, self.eps = h, eps
+        self.aux_layers = tuple(aux_layers)
+        # zero-initialised by tools/train_mtp.py, so a head without it is the start
+        self.aux_proj = (Linear(len(aux_layers) * h, h, bias=False) if aux_layers else None)
         # Optional draft vocabulary (token ids the head may propose): logits over it only,
         # a fraction of the full LM head's cost. Lossless: the draft's distribution q is
         # then zero elsewhere, which rejection sampling handles like any other q.
@@ -88,6 +101,22 @@ class MTPModule(nn.Module):
         # one layer: the backend prepares `meta` in its call (no plan to share)
         out, residual = self.layer(x, None, positions, k_cache, v_cache, meta)
         return residual + out
+
+    def draft_input(self, target_rows: torch.Tensor) -> torch.Tensor:
+        """The hidden state draft step 1 starts from, for rows of the target's output:
+        its final hidden state, plus with aux layers a projection of the RMS-normalised
+        residual streams the target returned after it (DecoderForCausalLM.forward)."""
+        h = self.hidden_size
+        if self.aux_proj is None:
+            return target_rows[:, :h]
+        n, k = target_rows.shape[0], len(self.aux_layers)
+        if target_rows.shape[1] != h * (1 + k):
+            raise ValueError(f"target rows have width {target_rows.shape[1]}, expected "
+                             f"{h * (1 + k)} (final hidden + aux layers {self.aux_layers})")
+        aux = F.rms_norm(target_rows[:, h:].reshape(n, k, h), (h,), eps=self.eps)
+        w = self.aux_proj.weight
+        return target_rows[:, :h] + self.aux_proj(aux.reshape(n, k * h).to(w.dtype)).to(
+            target_rows.dtype)
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         head = self._shared[1].weight
@@ -156,19 +185,16 @@ def _find_prefix(keys: set[str], num_hidden_layers: int | None) -> tuple[str, in
                      "model.mtp_layers.0.input_proj.weight")
 
 
-def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dtype,
-             device: torch.device, attention_backend: str = "sdpa",
-             draft_folder: str | Path | None = None) -> MTPModule:
-    """The MTP module for `target_model`, from `draft_folder` or else the target's folder;
-    it uses the target's kernel options (chosen when the target was loaded)."""
-    cfg: ModelConfig = target_model.config
+def _open_head(target_folder: str | Path, num_hidden_layers: int,
+               draft_folder: str | Path | None):
+    """(folder, {key: safetensors handle}, key prefix, layout) of the MTP head."""
     if draft_folder is None:
         folder = Path(target_folder)
         if num_mtp_layers(folder) < 1:
             raise ValueError(f"model folder {folder} has no MTP layer (config.json "
                              "num_nextn_predict_layers is missing or 0); pass "
                              "speculative_model=<draft folder>")
-        layer_index = cfg.num_hidden_layers
+        layer_index = num_hidden_layers
     else:
         folder = Path(draft_folder)
         layer_index = None
@@ -181,10 +207,43 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
         for key in f.keys():
             handles[key] = f
     prefix, layout = _find_prefix(set(handles), layer_index)
+    return folder, handles, prefix, layout
+
+
+def head_aux_layers(target_folder: str | Path, num_hidden_layers: int,
+                    draft_folder: str | Path | None = None) -> tuple[int, ...]:
+    """The target layers whose residual streams the MTP head reads (empty: the final
+    hidden state only). The target must return them (set_aux_layers) before its
+    executor is built."""
+    _, handles, prefix, _ = _open_head(target_folder, num_hidden_layers, draft_folder)
+    return _read_aux_layers(handles, prefix)
+
+
+def _read_aux_layers(handles: dict, prefix: str) -> tuple[int, ...]:
+    key = prefix + AUX_LAYERS_KEY
+    if key not in handles:
+        return ()
+    return tuple(int(i) for i in handles[key].get_tensor(key).tolist())
+
+
+def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dtype,
+             device: torch.device, attention_backend: str = "sdpa",
+             draft_folder: str | Path | None = None) -> MTPModule:
+    """The MTP module for `target_model`, from `draft_folder` or else the target's folder;
+    it uses the target's kernel options (chosen when the target was loaded). A head with
+    aux layers needs the target to return them already (head_aux_layers)."""
+    cfg: ModelConfig = target_model.config
+    folder, handles, prefix, layout = _open_head(target_folder, cfg.num_hidden_layers,
+                                                 draft_folder)
+    aux_layers = _read_aux_layers(handles, prefix)
+    if aux_layers and tuple(getattr(target_model, "aux_layers", ())) != aux_layers:
+        raise ValueError(f"the MTP head in {folder} reads target layers "
+                         f"{list(aux_layers)}, but the target returns "
+                         f"{list(getattr(target_model, 'aux_layers', ()))}")
     with torch.device(device):
         mtp = MTPModule(cfg, target_model.embed_tokens, target_model.lm_head,
                         attention_backend, hidden_first=layout == 1,
-                        kernels=target_model.kernels)
+                        kernels=target_model.kernels, aux_layers=aux_layers)
     mtp.to(dtype=dtype)
     mtp.rotary.float()
     missing = []

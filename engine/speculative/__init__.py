@@ -13,6 +13,15 @@ def speculative_methods() -> list[str]:
     return sorted(_METHODS)
 
 
+def prepare_target(config, model) -> None:
+    """What the target model must return for the draft (before its executor is built:
+    graph buffers take the width): an MTP head's aux layers."""
+    if config.speculative_method == "mtp":
+        from engine.models.mtp import head_aux_layers
+        model.set_aux_layers(head_aux_layers(config.model, model.config.num_hidden_layers,
+                                             config.speculative_model))
+
+
 def build_speculative_worker(engine):
     """The SpeculativeWorker for engine.config.speculative_method."""
     method = engine.config.speculative_method

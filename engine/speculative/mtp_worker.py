@@ -4,7 +4,9 @@ Holds the draft module, its own one-layer KV cache and the EmbeddingCache.
 
 - prefill: after the target's forward, the draft runs over the chunk's positions that
   already have a following token (its K/V and hidden states); the last prompt position
-  waits in the EmbeddingCache for the token the target just sampled.
+  waits in the EmbeddingCache for the token the target just sampled. What the cache (and
+  a PD handoff) holds is the draft's input, `draft.draft_input` of the target's rows: the
+  final hidden state, plus the projected mid-layer features for a head that reads them.
 - draft loop (num_speculative_tokens steps):
     step 1 runs over the EmbeddingCache rows of each sequence (the target's hidden states
     of the tokens accepted last step, each with the token that followed it); its last
@@ -74,6 +76,7 @@ class MTPWorker(SpeculativeWorker):
                       hidden: torch.Tensor) -> None:
         runs, hs = [], []
         row = 0
+        hidden = self.draft.draft_input(hidden)     # + the head's mid-layer features
         # prefill-only sub-batch: rows follow the scheduled order, no padding
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             start = seq.num_cached_tokens
@@ -142,6 +145,7 @@ class MTPWorker(SpeculativeWorker):
     # ---- after verify: accepted hidden states back into the cache ------------------------
     def after_verify(self, seqs: list[Sequence], hidden: torch.Tensor, layout: RunLayout,
                      accepted: list[int]) -> None:
+        hidden = self.draft.draft_input(hidden)
         for i, seq in enumerate(seqs):
             s = layout.row_start[i]
             start, rows = len(seq) - 1, hidden[s:s + accepted[i] + 1]

@@ -27,11 +27,13 @@ _IDS = itertools.count()
 OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=128)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+@pytest.fixture(scope="module", params=[(), (0,)], ids=["final-hidden", "aux-layers"])
+def folder(tmp_path_factory, request):
+    """A head on the target's final hidden state, and one that also reads layer 0's
+    residual stream (its draft input is computed at every verify too)."""
     root = tmp_path_factory.mktemp("mtp-draft-state")
     base, _ = make_tiny_model("qwen3-qknorm-hd24", root)
-    return with_mtp(base, root / "qwen3-mtp")
+    return with_mtp(base, root / "qwen3-mtp", aux_layers=request.param)
 
 
 def _greedy(max_tokens=MAX_NEW):

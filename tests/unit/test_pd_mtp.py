@@ -101,6 +101,22 @@ def _pd(folder, prompts, concurrent: bool, drop_payload: bool = False,
 
 
 def test_payload_lets_the_decode_draft_start_at_the_first_step(folder, prompts, plain):
+    _same_drafts_as_one_node(folder, prompts, plain)
+
+
+def test_a_head_reading_mid_layers_drafts_the_same_after_a_push(tmp_path_factory, prompts):
+    """The payload's hidden state is the draft's input (final hidden + the projected aux
+    layers' residual streams), so the decode node drafts as a single node does."""
+    root = tmp_path_factory.mktemp("aux")
+    base, _ = make_tiny_model("qwen3-qknorm-hd24", root)
+    folder = with_mtp(base, root / "qwen3-aux", aux_layers=(0,))
+    outs = LLM(folder, **OPTS).generate([{"prompt_token_ids": p} for p in prompts], _params())
+    _same_drafts_as_one_node(folder, prompts, [o.outputs[0].token_ids for o in outs])
+
+
+def _same_drafts_as_one_node(folder, prompts, plain) -> None:
+    """PD tokens equal plain greedy, and the decode node's drafts (counts and
+    probabilities, from each request's first decode step) equal a single node's."""
     tokens, stats, seen = _pd(folder, prompts, concurrent=False)
     assert tokens == plain
     want, want_seen = _single_node_mtp(folder, prompts)
