@@ -1,7 +1,8 @@
 """Target features for tools/train_mtp.py: the corpus (tools/mtp_corpus.py, generated
-once per part and cached), and the target's final hidden states and top-K next-token
-log-probs at every position, computed once with dense causal attention and cached per
-part (each part's cache remembers the arguments it was made from)."""
+once per part and cached), and the target's final hidden states, the residual streams
+after the head's aux layers (if any) and top-K next-token log-probs at every position,
+computed once with dense causal attention and cached per part (each part's cache
+remembers the arguments it was made from)."""
 
 from __future__ import annotations
 
@@ -50,11 +51,14 @@ class DenseCausal:
 
 @torch.no_grad()
 def target_features(model, seqs: list[tuple[list[int], int]], seq_len: int, topk: int,
-                    batch: int):
+                    batch: int, aux_layers: tuple[int, ...] = ()):
     """Per sequence (padded to seq_len): tokens, the mask of generated positions (the
-    answer, not the prompt or chat template), hidden [T, H] bf16 and the target's top-k
-    next-token log-probs and ids at every position."""
+    answer, not the prompt or chat template), hidden [T, H] bf16, the target's top-k
+    next-token log-probs and ids at every position, and the residual streams after
+    `aux_layers` [T, len(aux_layers) * H] bf16, as the engine's target returns them."""
     scale = model.config.head_dim ** -0.5
+    model.set_aux_layers(aux_layers)
+    width = model.config.hidden_size
     dense = DenseCausal(scale)
     model.attention = dense
     for layer in model.layers:
@@ -65,7 +69,8 @@ def target_features(model, seqs: list[tuple[list[int], int]], seq_len: int, topk
         s = s[:seq_len]
         toks[i, :len(s)] = torch.tensor(s)
         gen[i, plen:len(s)] = True
-    hid = torch.zeros(len(seqs), seq_len, model.config.hidden_size, dtype=torch.bfloat16)
+    hid = torch.zeros(len(seqs), seq_len, width, dtype=torch.bfloat16)
+    aux = torch.zeros(len(seqs), seq_len, model.output_width - width, dtype=torch.bfloat16)
     top_lp = torch.zeros(len(seqs), seq_len, topk, dtype=torch.float16)
     top_id = torch.zeros(len(seqs), seq_len, topk, dtype=torch.int32)
     pos = torch.arange(seq_len).repeat(batch)
@@ -73,13 +78,16 @@ def target_features(model, seqs: list[tuple[list[int], int]], seq_len: int, topk
         tb = toks[i:i + batch]
         b = tb.shape[0]
         dense.shape = (b, seq_len)
-        h = model(tb.reshape(-1), pos[:b * seq_len], _NoCache(len(model.layers)), None)
+        rows = model(tb.reshape(-1), pos[:b * seq_len], _NoCache(len(model.layers)), None)
+        h = rows[:, :width]
         lp = torch.log_softmax(model.lm_head(h).float(), -1)
         v, ids = lp.topk(topk, -1)
         hid[i:i + b] = h.view(b, seq_len, -1).to(torch.bfloat16)
+        aux[i:i + b] = rows[:, width:].reshape(b, seq_len, -1).to(torch.bfloat16)
         top_lp[i:i + b] = v.view(b, seq_len, topk).half()
         top_id[i:i + b] = ids.view(b, seq_len, topk).int()
-    return toks, gen, hid, top_lp, top_id
+    model.set_aux_layers(())
+    return toks, gen, hid, top_lp, top_id, aux
 
 
 class _NoCache:
@@ -143,7 +151,8 @@ def cache_key(args, name: str, n: int) -> dict:
     """What one part's feature cache was made from; a cache with another key is rebuilt."""
     key = {k: getattr(args, k) for k in ("seed", "num_topics", "templates_per_topic",
                                          "raw_count", "max_new", "gen_dtype",
-                                         "feature_dtype", "seq_len", "topk")}
+                                         "feature_dtype", "seq_len", "topk",
+                                         "aux_layers")}
     return {**key, "part": name, "sequences": n}
 
 
@@ -156,7 +165,7 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def load_or_build_features(args, tok):
-    """((toks, gen, hid, top_lp, top_id), number of training sequences,
+    """((toks, gen, hid, top_lp, top_id, aux), number of training sequences,
     number of held-out chat sequences; the held-out raw-text ones follow them). Each
     part's features are kept beside --cache (<stem>-<part>.pt), so adding a part computes
     only that part's."""
@@ -177,12 +186,13 @@ def load_or_build_features(args, tok):
                                       torch.device("cpu"))
             seq_len = min(args.seq_len, max(len(s) for s, _ in seqs))
             got = {"key": key, "data": target_features(model, seqs, seq_len, args.topk,
-                                                        args.feature_batch)}
+                                                        args.feature_batch,
+                                                        tuple(args.aux_layers))}
             if path is not None:
                 torch.save(got, path)
         pieces.append(got["data"])
         if name != "held":
             n_train += len(seqs)
     length = max(p[0].shape[1] for p in pieces)
-    data = tuple(torch.cat([_pad_to(p[i], length) for p in pieces]) for i in range(5))
+    data = tuple(torch.cat([_pad_to(p[i], length) for p in pieces]) for i in range(6))
     return data, n_train, n_chat

@@ -49,7 +49,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.models.loader import load_model  # noqa: E402
-from engine.models.mtp import _FUSED, _PARTS, DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
+from engine.models.mtp import _FUSED, _PARTS, AUX_LAYERS_KEY, DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
 from tools.mtp_corpus import RAW_COUNT, TOPICS  # noqa: E402
 from tools.mtp_features import DenseCausal, load_or_build_features, residual_scale  # noqa: E402
 
@@ -72,6 +72,8 @@ def init_from_target(mtp: MTPModule, model, scales: tuple[float, float]) -> None
         w[:, h:] += r_rms * h_rms * torch.eye(h)
         w[:, :h] += 0.1 * r_rms * torch.eye(h)
         mtp.eh_proj.weight.copy_(w)
+        if mtp.aux_proj is not None:        # the mid-layer features start switched off
+            mtp.aux_proj.weight.zero_()
 
 
 def load_head(mtp: MTPModule, path: str, prefix: str) -> None:
@@ -83,7 +85,10 @@ def load_head(mtp: MTPModule, path: str, prefix: str) -> None:
     for name, p in mtp.state_dict().items():
         top = name.split(".", 1)[0]
         if top != "layer":
-            state[name] = saved[prefix + _PARTS[top][0] + name[len(top):]]
+            key = prefix + _PARTS[top][0] + name[len(top):]
+            # a head without mid-layer features starts the projection at zero
+            state[name] = saved[key] if key in saved or top != "aux_proj" \
+                else torch.zeros_like(p)
             continue
         module, leaf = name[len("layer."):].rsplit(".", 1)
         keys = [f"{prefix}{part}.{leaf}" for part in _FUSED.get(module, (module,))]
@@ -115,16 +120,24 @@ def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor) -> t
     return -(p * student.gather(-1, ids.long())).sum(-1).mean()
 
 
-def run_head(mtp: MTPModule, dense: DenseCausal, toks, hid, steps: int):
+def target_rows(data, b) -> torch.Tensor:
+    """The target's rows for sequences `b` as the engine hands them to the draft: final
+    hidden state, then the aux layers' residual streams (if the features hold any)."""
+    hid, aux = data[2][b], data[5][b]
+    return torch.cat((hid, aux), -1) if aux.shape[-1] else hid
+
+
+def run_head(mtp: MTPModule, dense: DenseCausal, toks, rows, steps: int):
     """Draft step 1 and the unrolled steps 2 .. `steps` over a batch, every position (the
     head attends to the prompt too); returns the head's hidden states per step, T-1 rows
-    a sequence. Step m's row r sits at position r+m-1, is fed the head's own hidden state
-    of step m-1 and the token x_{r+m}, and predicts x_{r+m+1}."""
+    a sequence. Step 1 starts from draft_input(target rows). Step m's row r sits at
+    position r+m-1, is fed the head's own hidden state of step m-1 and the token
+    x_{r+m}, and predicts x_{r+m+1}."""
     b, t = toks.shape
     n = t - 1
     dense.shape = (b, n)
     pos = torch.arange(n).repeat(b)
-    xs, prev = [], hid[:, :n].reshape(b * n, -1).float()
+    xs, prev = [], mtp.draft_input(rows[:, :n].reshape(b * n, -1).float())
     for m in range(1, steps + 1):
         dense.mode = m
         # the last m-1 rows of a sequence have no token: they repeat the last one (masked)
@@ -161,12 +174,12 @@ def evaluate(mtp, dense, data, idx, steps: int = 3) -> tuple[float, ...]:
     """Top-1 agreement with the target on generated positions of `idx`: draft step 1,
     then each later step counted only where every step before it agreed (as the engine
     accepts a chain), over the rows where the step before it agreed."""
-    toks, gen, hid, top_lp, top_id = data
+    toks, gen, _, top_lp, top_id, _ = data
     hits, n = [0] * steps, 0
     with torch.no_grad():
         for i in range(0, len(idx), 4):
             b = idx[i:i + 4]
-            xs = run_head(mtp, dense, toks[b], hid[b], steps)
+            xs = run_head(mtp, dense, toks[b], target_rows(data, b), steps)
             ok = None
             for m, (x, (_, ids, mask)) in enumerate(
                     zip(xs, step_targets(gen[b], top_lp[b], top_id[b], steps), strict=True)):
@@ -193,7 +206,7 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
     """AdamW, warm-up then cosine to 5% of the LR. The agreement on each held-out set is
     printed after every epoch and the head keeps the weights of the best epoch (by the
     sum of the sets' step-1 agreements)."""
-    toks, gen, hid, top_lp, top_id = data
+    toks, gen, _, top_lp, top_id, _ = data
     # loss weight per draft step; trailing zero weights: those steps are not unrolled
     weights = [1.0, args.step2_weight, args.step3_weight]
     while weights[-1] == 0:
@@ -222,7 +235,7 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
             remap = torch.zeros(vocab_size, dtype=torch.int64)
             remap[vocab] = torch.arange(vocab.numel())
             with amp:
-                xs = run_head(mtp, dense, toks[b], hid[b], len(weights))
+                xs = run_head(mtp, dense, toks[b], target_rows(data, b), len(weights))
                 losses = [distill_loss(head_logits(mtp, x[sel], vocab), lp[sel],
                                        remap[ids[sel].long()])
                           for x, sel, (lp, ids, _) in zip(xs, sels, targets, strict=True)]
@@ -268,6 +281,10 @@ def main() -> int:
     ap.add_argument("--feature-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--topk", type=int, default=20, help="teacher distribution support")
+    ap.add_argument("--aux-layers", default="3,15",
+                    type=lambda v: [int(x) for x in v.split(",") if x.strip()],
+                    help="target layers whose residual streams the head also reads "
+                         "(EAGLE-3-style mid-layer features; empty: the final hidden only)")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -305,7 +322,8 @@ def main() -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     dense = DenseCausal(cfg.head_dim ** -0.5)
-    mtp = MTPModule(cfg, model.embed_tokens, model.lm_head, dense)
+    mtp = MTPModule(cfg, model.embed_tokens, model.lm_head, dense,
+                    aux_layers=tuple(args.aux_layers))
     if args.features_only:
         return 0
     if args.init:
@@ -325,6 +343,8 @@ def main() -> int:
     prefix = f"model.layers.{cfg.num_hidden_layers}."
     tensors = {k: v.detach().to(torch.bfloat16).contiguous()
                for k, v in mtp.hf_state_dict(prefix).items()}
+    if args.aux_layers:
+        tensors[prefix + AUX_LAYERS_KEY] = torch.tensor(args.aux_layers, dtype=torch.int64)
     if args.draft_vocab:
         vocab = draft_vocabulary(toks[:n_train], gen[:n_train], args.draft_vocab,
                                  args.draft_vocab_first_ids, cfg.vocab_size)

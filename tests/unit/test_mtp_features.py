@@ -43,7 +43,7 @@ def _args(folder, tmp_path, parts, topk=4):
         model=str(folder), parts=parts, seed=0, num_topics=2, templates_per_topic=1,
         raw_count=3, max_new=5, gen_dtype="float32", gen_batch=64, feature_dtype="float32",
         feature_batch=4, seq_len=256, topk=topk, corpus_cache=str(tmp_path / "corpus.pt"),
-        cache=str(tmp_path / "feat.pt"))
+        cache=str(tmp_path / "feat.pt"), aux_layers=[0])
 
 
 def _count_features(monkeypatch) -> list[int]:
@@ -70,8 +70,9 @@ def test_features_are_cached_per_part_and_rows_match_their_sequences(tiny, tmp_p
         _args(folder, tmp_path, [1, 4]), tok)
     assert computed == [3]                    # only part 4's 3 openings are new
     assert (n_train, n_chat) == (5, 48)
-    toks, gen, hid, top_lp, top_id = data
+    toks, gen, hid, top_lp, top_id, aux = data
     assert hid.shape[:2] == toks.shape and hid.dtype == torch.bfloat16
+    assert aux.shape == hid.shape and aux.dtype == torch.bfloat16     # one aux layer
     assert toks.shape[0] == gen.shape[0] == hid.shape[0] == top_id.shape[0] == 5 + 112
     # rows in order part 1, part 4, held out; each row is its own sequence
     parts, _ = features.corpus_parts(_args(folder, tmp_path, [1, 4]), tok)
@@ -134,7 +135,7 @@ def test_train_mtp_end_to_end_with_three_unrolled_steps(tiny, tmp_path, monkeypa
 
     import tools.train_mtp as train_mtp
     from engine.models.loader import load_model
-    from engine.models.mtp import load_mtp
+    from engine.models.mtp import head_aux_layers, load_mtp
     folder, _ = tiny
     out = tmp_path / "draft" / "head.safetensors"
     monkeypatch.setattr(sys, "argv", [
@@ -143,6 +144,7 @@ def test_train_mtp_end_to_end_with_three_unrolled_steps(tiny, tmp_path, monkeypa
         "--max-new", "6", "--gen-dtype", "float32", "--feature-dtype", "float32",
         "--topk", "4", "--epochs", "2", "--batch", "2", "--negatives", "16",
         "--draft-vocab", "40", "--draft-vocab-first-ids", "64", "--step3-weight", "0.5",
+        "--aux-layers", "0",
         "--corpus-cache", str(tmp_path / "corpus.pt"), "--cache", str(tmp_path / "f.pt")])
     threads = torch.get_num_threads()
     try:
@@ -154,5 +156,32 @@ def test_train_mtp_end_to_end_with_three_unrolled_steps(tiny, tmp_path, monkeypa
         for step in (1, 2, 3):
             assert 0.0 <= float(meta[f"heldout_{name}_top1_step{step}"]) <= 1.0
     model, _ = load_model(str(folder), torch.float32, torch.device("cpu"))
+    model.set_aux_layers(head_aux_layers(folder, 2, out.parent))
     mtp = load_mtp(folder, model, torch.float32, torch.device("cpu"), draft_folder=out.parent)
     assert mtp.draft_vocab is not None and 64 <= mtp.draft_vocab.numel() <= 104
+    assert mtp.aux_layers == (0,) and mtp.aux_proj.weight.abs().sum() > 0
+
+
+def test_a_head_without_aux_layers_continues_with_the_projection_at_zero(tiny, tmp_path):
+    """--init from a head that reads only the final hidden state: the new head starts as
+    exactly that head (aux_proj zero), so training continues from where it was."""
+    from safetensors.torch import save_file
+
+    from engine.models.loader import load_model
+    from engine.models.mtp import MTPModule
+    from tests.tiny_mtp import random_mtp_tensors
+    from tools.train_mtp import load_head
+    folder, _ = tiny
+    prefix = "model.layers.2."
+    save_file({k: v.contiguous() for k, v in random_mtp_tensors(folder, prefix).items()},
+              str(tmp_path / "plain.safetensors"))
+    model, cfg = load_model(str(folder), torch.float32, torch.device("cpu"))
+    plain = MTPModule(cfg, model.embed_tokens, model.lm_head)
+    aux = MTPModule(cfg, model.embed_tokens, model.lm_head, aux_layers=(0,))
+    with torch.no_grad():
+        aux.aux_proj.weight.fill_(1.0)
+    load_head(plain, str(tmp_path / "plain.safetensors"), prefix)
+    load_head(aux, str(tmp_path / "plain.safetensors"), prefix)
+    assert not aux.aux_proj.weight.any()
+    for name, p in plain.state_dict().items():
+        assert torch.equal(aux.state_dict()[name], p), name
