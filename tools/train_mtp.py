@@ -258,6 +258,17 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
     mtp.load_state_dict(best_state)
 
 
+def aux_layer_ids(spec: str, model_folder: str) -> list[int]:
+    """--aux-layers as target layer ids."""
+    if spec == "none":
+        return []
+    if spec != "auto":
+        return [int(x) for x in spec.split(",") if x.strip()]
+    from engine.models.model_config import ModelConfig
+    n = ModelConfig.from_folder(model_folder).num_hidden_layers
+    return sorted({n // 10, n // 2})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the target's HF folder")
@@ -281,10 +292,11 @@ def main() -> int:
     ap.add_argument("--feature-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--topk", type=int, default=20, help="teacher distribution support")
-    ap.add_argument("--aux-layers", default="3,15",
-                    type=lambda v: [int(x) for x in v.split(",") if x.strip()],
+    ap.add_argument("--aux-layers", default="auto",
                     help="target layers whose residual streams the head also reads "
-                         "(EAGLE-3-style mid-layer features; empty: the final hidden only)")
+                         "(EAGLE-3-style mid-layer features), comma-separated; auto: a "
+                         "low and a middle one (n/10, n/2: 3,15 of 30); none: the final "
+                         "hidden state only")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -306,6 +318,7 @@ def main() -> int:
     ap.add_argument("--corpus-cache", help="keep the generated corpus here between runs (.pt)")
     ap.add_argument("--cache", help="keep the corpus features here between runs (.pt)")
     args = ap.parse_args()
+    args.aux_layers = aux_layer_ids(args.aux_layers, args.model)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -335,7 +348,8 @@ def main() -> int:
     print("held-out top-1 agreement on generated positions before training: "
           f"{describe(evaluate_sets(mtp, dense, data, held))}", flush=True)
     t1 = time.time()
-    train(args, mtp, dense, data, n_train, cfg.vocab_size, rng, held)
+    if args.epochs:         # --epochs 0: only evaluate and write (e.g. another draft vocab)
+        train(args, mtp, dense, data, n_train, cfg.vocab_size, rng, held)
     scores = evaluate_sets(mtp, dense, data, held)
     print(f"held-out top-1 agreement on generated positions after training: "
           f"{describe(scores)} (training {time.time() - t1:.0f}s)", flush=True)
