@@ -9,11 +9,12 @@ openings without a chat template (tools/mtp_raw.py: code in 12 languages and for
 prose, lists, dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339
 topics. Held out, for the agreement printed after every epoch: 48 chat requests on 12
 topics kept out of training and 64 raw openings whose subjects and code tasks no
-training opening uses. Then, once per part: the target's final hidden states h_t (the
-tensor the engine hands the draft) and its top-K next-token distributions at every
-position are computed and kept (--cache, one file per part, rebuilt when the arguments
-change). Only the head trains: at row t it sees (h_t, x_{t+1}) and learns the target's
-distribution at t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
+training opening uses. Then, once per part: the target's final hidden states h_t, the
+residual streams after the --aux-layers (what the engine's target hands the draft) and
+its top-K next-token distributions at every position are computed and kept (--cache,
+one file per part, rebuilt when the arguments change). Only the head trains: at row t
+it sees (h_t and the aux layers' rows, x_{t+1}) and learns the target's distribution at
+t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
 --step3-weight) feed the head's own hidden state back with the next token, attending as
 the engine's later draft steps do, and learn the distributions after it. The loss and
 the held-out agreement count only rows whose input token is a generated one (that is
@@ -28,7 +29,9 @@ commands and the measured costs are in docs/PERFORMANCE.md, "Speculative decodin
 (MTP)"): chat parts 1-3 from the target's last layer (5 epochs, ~55 min); two epochs on
 parts 1 and 4 (~30 min); two epochs on parts 1, 4 and 5 at --lr 1e-3 (~35 min with part
 5's corpus and features); one epoch at --lr 5e-4 with --step3-weight 0.3 and one more
-with 0.6 (~12 min each).
+with 0.6 (~12 min each); then, with --aux-layers 3,15 (the projection starting at zero),
+two epochs at --lr 1e-3 and --step3-weight 0.6 (~25 min of features with the two layers,
+~25 min of training).
 The caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 

@@ -113,7 +113,8 @@ class MTPModule(nn.Module):
         if target_rows.shape[1] != h * (1 + k):
             raise ValueError(f"target rows have width {target_rows.shape[1]}, expected "
                              f"{h * (1 + k)} (final hidden + aux layers {self.aux_layers})")
-        aux = F.rms_norm(target_rows[:, h:].reshape(n, k, h), (h,), eps=self.eps)
+        # normed in float32, as in training (the residual streams reach the hundreds)
+        aux = F.rms_norm(target_rows[:, h:].reshape(n, k, h).float(), (h,), eps=self.eps)
         w = self.aux_proj.weight
         return target_rows[:, :h] + self.aux_proj(aux.reshape(n, k * h).to(w.dtype)).to(
             target_rows.dtype)
