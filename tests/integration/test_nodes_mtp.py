@@ -22,11 +22,13 @@ ENGINE = ["--dtype", "float32", "--block-size", "4", "--num-gpu-blocks", "128"]
 MTP = ["--speculative-method", "mtp", "--num-speculative-tokens", "2"]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+@pytest.fixture(scope="module", params=[(), (0, 1)], ids=["final-hidden", "aux-layers"])
+def folder(tmp_path_factory, request):
+    """A head on the final hidden state, and one that also reads mid-layer features (the
+    decode node's graph buffers and the push's MTP payload carry its draft input)."""
     root = tmp_path_factory.mktemp("models")
     base, _ = make_tiny_model("llama-tied-gqa", root)
-    return with_mtp(base, root / "llama-mtp")
+    return with_mtp(base, root / "llama-mtp", aux_layers=request.param)
 
 
 def _node_args(folder, etcd):
