@@ -90,8 +90,8 @@ def load_head(mtp: MTPModule, path: str, prefix: str) -> None:
         if top != "layer":
             key = prefix + _PARTS[top][0] + name[len(top):]
             # a head without mid-layer features starts the projection at zero
-            state[name] = saved[key] if key in saved or top != "aux_proj" \
-                else torch.zeros_like(p)
+            state[name] = (saved.get(key, torch.zeros_like(p)) if top == "aux_proj"
+                           else saved[key])
             continue
         module, leaf = name[len("layer."):].rsplit(".", 1)
         keys = [f"{prefix}{part}.{leaf}" for part in _FUSED.get(module, (module,))]
