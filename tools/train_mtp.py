@@ -116,10 +116,13 @@ def coverage(vocab: torch.Tensor, toks: torch.Tensor, mask: torch.Tensor) -> flo
     return inside[toks[mask]].float().mean().item()
 
 
-def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against the target's renormalised top-k distribution."""
+def distill_loss(logits: torch.Tensor, lp: torch.Tensor, ids: torch.Tensor,
+                 temp: float = 1.0) -> torch.Tensor:
+    """Cross-entropy against the target's renormalised top-k distribution, sharpened by
+    `temp` < 1 toward its argmax (greedy verify accepts the argmax only); near 0 it is
+    the cross-entropy of the target's top-1 token."""
     student = torch.log_softmax(logits.float(), -1)
-    p = torch.softmax(lp.float(), -1)
+    p = torch.softmax(lp.float() / temp, -1)
     return -(p * student.gather(-1, ids.long())).sum(-1).mean()
 
 
@@ -240,7 +243,7 @@ def train(args, mtp, dense, data, n_train, vocab_size, rng, held: dict[str, list
             with amp:
                 xs = run_head(mtp, dense, toks[b], target_rows(data, b), len(weights))
                 losses = [distill_loss(head_logits(mtp, x[sel], vocab), lp[sel],
-                                       remap[ids[sel].long()])
+                                       remap[ids[sel].long()], args.teacher_temp)
                           for x, sel, (lp, ids, _) in zip(xs, sels, targets, strict=True)]
                 l1 = losses[0]
                 loss = sum(w * part for w, part in zip(weights, losses, strict=True))
@@ -309,6 +312,8 @@ def main() -> int:
                     help="loss weight of the unrolled second draft step")
     ap.add_argument("--step3-weight", type=float, default=0.0,
                     help="loss weight of an unrolled third draft step (0: not unrolled)")
+    ap.add_argument("--teacher-temp", type=float, default=1.0,
+                    help="temperature of the target's distribution in the loss (< 1 sharpens)")
     ap.add_argument("--negatives", type=int, default=4096,
                     help="random vocabulary entries added to each step's sampled softmax")
     ap.add_argument("--draft-vocab", type=int, default=8192,

@@ -185,3 +185,20 @@ def test_a_head_without_aux_layers_continues_with_the_projection_at_zero(tiny, t
     assert not aux.aux_proj.weight.any()
     for name, p in plain.state_dict().items():
         assert torch.equal(aux.state_dict()[name], p), name
+
+
+def test_a_low_teacher_temperature_is_the_cross_entropy_of_the_target_top1():
+    """--teacher-temp: 1 keeps the soft top-k target, near 0 it is plain cross-entropy
+    against the target's argmax (whatever the teacher's order of candidates)."""
+    from tools.train_mtp import distill_loss
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 9, generator=g)
+    lp = torch.log_softmax(torch.randn(5, 4, generator=g), -1)
+    ids = torch.stack([torch.randperm(9, generator=g)[:4] for _ in range(5)])
+    top = ids.gather(1, lp.argmax(1, keepdim=True)).squeeze(1)
+    hard = torch.nn.functional.cross_entropy(logits, top)
+    soft = -(lp.exp() / lp.exp().sum(-1, keepdim=True)
+             * torch.log_softmax(logits, -1).gather(1, ids)).sum(-1).mean()
+    assert torch.allclose(distill_loss(logits, lp, ids), soft, atol=1e-6)
+    assert torch.allclose(distill_loss(logits, lp, ids, temp=1e-3), hard, atol=1e-5)
+    assert not torch.allclose(soft, hard, atol=1e-3)
