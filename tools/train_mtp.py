@@ -31,7 +31,8 @@ parts 1 and 4 (~30 min); two epochs on parts 1, 4 and 5 at --lr 1e-3 (~35 min wi
 5's corpus and features); one epoch at --lr 5e-4 with --step3-weight 0.3 and one more
 with 0.6 (~12 min each); then, with --aux-layers 3,15 (the projection starting at zero),
 two epochs at --lr 1e-3 and --step3-weight 0.6 (~25 min of features with the two layers,
-~25 min of training).
+~25 min of training); then two epochs on all five parts at --lr 5e-4 with --teacher-temp
+0.25 (~27 min for parts 2-3's corpus and features, ~40 min of training).
 The caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 
