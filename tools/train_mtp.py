@@ -327,6 +327,8 @@ def main() -> int:
     ap.add_argument("--corpus-cache", help="keep the generated corpus here between runs (.pt)")
     ap.add_argument("--cache", help="keep the corpus features here between runs (.pt)")
     args = ap.parse_args()
+    if not args.teacher_temp > 0:
+        ap.error(f"--teacher-temp must be > 0, got {args.teacher_temp}")
     args.aux_layers = aux_layer_ids(args.aux_layers, args.model)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
