@@ -1,6 +1,6 @@
 """The self-distillation corpus for tools/train_mtp.py: chat prompts on many topics (parts
-1-3 and 5), raw-text openings without a chat template (part 4, tools/mtp_raw.py), and the model's
-own greedy continuations of them (ignore_eos, as bench/spec_decode.py decodes), generated
+1-3, 5 and 6), raw-text openings without a chat template (part 4, tools/mtp_raw.py), and the
+model's own greedy continuations of them (ignore_eos, as bench/spec_decode.py decodes), generated
 with pdserve's engine.
 
 Held out, for the training's evaluation: chat requests on HELD_OUT_TOPICS and
@@ -123,6 +123,70 @@ MORE_CHAT = ["Write a dialogue between two friends about {t}.",
              "Write a diary entry about {t}.", "Explain a common misconception about {t}.",
              "Write a short speech about {t}.", "Tell me a fun story involving {t}."]
 
+# Part 6 (issue 15): new topics, each asked in the bench's four request styles (CHAT[:4])
+# and four more drawn from the others. Kept apart from the bench's and held-out topics
+# (check_disjoint checks the names; near ones, such as other lighthouse, tea or coral
+# topics, were left out by hand).
+NEW_TOPICS = [
+    "a bridge builder", "the Panama Canal", "hummingbirds", "a candle maker",
+    "the Atacama desert", "cardboard boxes", "a river delta", "the saxophone", "sea otters",
+    "a glass blower", "the Hubble telescope", "fountain pens", "a hedgehog",
+    "the Mongol empire", "clouds", "a blacksmith", "the Trans-Siberian railway", "snails",
+    "a weather balloon", "the harp", "peacocks", "a sand castle", "the Roman roads", "lemurs",
+    "a paper lantern", "the tuba", "hiking boots", "a quilt", "the Inca trail", "sloths",
+    "a windmill", "fjords", "the cello", "a beekeeper's year", "the Suez Canal", "flamingos",
+    "a typewriter", "the accordion", "raccoons", "a toy train", "the Alps", "a postman",
+    "the Hanging Gardens", "otters", "a jigsaw puzzle", "the Colorado river",
+    "a baker's dozen", "the flute", "chameleons", "a lantern festival", "the Rocky Mountains",
+    "umbrellas", "koalas", "a cable car", "the Black Forest", "the trumpet", "a seed bank",
+    "manatees", "a canoe trip", "the Grand Canyon", "a compass", "the drums", "hermit crabs",
+    "a steam engine", "the Scottish Highlands", "a hot chocolate", "the Taj Mahal",
+    "a paper boat", "the banjo", "ladybugs", "a weather vane", "the Okavango delta",
+    "an hourglass", "the ukulele", "a herb garden", "Stonehenge", "fireflies",
+    "a submarine cable", "the Sydney Opera House", "the clarinet", "a tide pool",
+    "Machu Picchu", "a rocking chair", "red pandas", "a snow globe", "the Mekong river",
+    "the oboe", "Antarctica", "a marble statue", "armadillos", "a pizza oven",
+    "the Galapagos islands", "a pocket watch", "the xylophone", "porcupines",
+    "a pottery wheel", "the Serengeti", "a sailboat race", "woodpeckers", "a mountain pass",
+    "the bagpipes", "a spice market", "the Northwest Passage", "a cuckoo clock", "beavers",
+    "the Louvre", "a hammock", "the mandolin", "a maple syrup farm", "Petra", "toucans",
+    "a loom", "the Danube", "a puppet show", "the harmonica", "moose", "a rope bridge",
+    "the Outback", "a teapot", "walruses", "the Forbidden City", "an orchard", "the organ",
+    "a bird feeder", "the Dolomites", "a fountain", "pangolins", "a music box", "the Yukon",
+    "a clay oven", "the bassoon", "seahorses", "a canal boat", "Angkor Wat", "a kaleidoscope",
+    "the Gobi desert", "a greenhouse", "axolotls", "a paper map", "the Loch Ness legend",
+    "a thimble", "the sitar", "meerkats", "a river ferry", "the Acropolis", "a wind chime",
+    "the Everglades", "a leather satchel", "narwhals", "a tram ride", "the Mariana Trench",
+    "a tin soldier", "the didgeridoo", "capybaras", "a village well", "the Kremlin",
+    "a fountain pen repair", "the Great Plains", "a sundial", "tapirs", "a bookbinder",
+    "the Caspian Sea", "a cottage garden", "the tambourine", "albatrosses", "a ski lift",
+    "Easter Island", "a wooden spoon", "the Appalachian trail", "a rooftop garden",
+    "the glockenspiel", "hippos", "a tailor's shop", "the Kalahari", "a mosaic",
+    "the Victoria Falls", "a stone wall", "yaks", "the triangle instrument",
+    "a street food stall", "the Rhine", "a recipe book", "chinchillas", "a crossword puzzle",
+    "the Matterhorn", "a ship in a bottle", "the bass guitar", "a rice paddy", "lynxes",
+    "a sculpture garden", "the Bay of Fundy", "the kazoo", "salamanders", "a flea market",
+    "the Aral Sea", "a bamboo forest", "a model airplane", "the Yellowstone geysers",
+    "a stained glass window", "the marimba", "puffer fish", "a village bakery",
+    "the Black Sea", "the lute", "a radio tower", "wombats", "an ice cream van",
+    "the Pacific islands", "a sewing machine", "the timpani", "a wildflower meadow",
+    "the Yangtze river", "a mail train", "crows", "a treasure chest", "the Camino de Santiago",
+    "a robot vacuum", "the piccolo", "a rooftop cafe", "cheetahs", "a paper crane",
+    "the Dust Bowl", "a garden gnome", "the cathedral of Notre-Dame", "a goldfish",
+    "an apple pie", "the Hoover Dam", "a wooden boat", "foxes", "the Sistine Chapel",
+    "a barn owl", "a lemon tree", "the Berlin Wall", "a bus stop", "a tortoise",
+    "the Alhambra", "a basket weaver", "the Norwegian coast", "a rain barrel",
+    "a jellybean factory", "the Atlas mountains", "a scarecrow", "eagles", "a pencil",
+    "the Thames", "a fire station", "a sea cave", "the Kon-Tiki voyage", "a bonsai tree",
+    "the Lewis and Clark expedition", "a doorbell", "the Chernobyl exclusion zone",
+    "a marching band", "an igloo", "the Rosetta Stone", "a skating rink", "hyenas",
+    "the Mount Everest base camp", "a vending machine", "the Hindenburg", "a mouse in a barn",
+    "the Hanseatic League", "a glacier lake", "a chimney sweep", "the Brooklyn Bridge",
+    "a soap maker", "the Giant's Causeway", "an orange grove", "the Ottoman empire",
+    "a potter's kiln", "the Lascaux caves", "a snow plow", "the Spanish armada",
+    "a wishing well", "the Terracotta Army",
+]
+
 RAW_COUNT = 2400          # part 4's raw-text openings
 RAW_HELD_OUT = 64         # held-out raw-text openings (tools/mtp_raw.py held_out_raw_texts)
 
@@ -137,7 +201,9 @@ def _bench_topics() -> list[str]:
 
 def check_disjoint() -> None:
     """Training topics must not include the bench's or the held-out ones."""
-    train = {t.lower() for t in TOPICS + EXTRA_TOPICS}
+    train = {t.lower() for t in TOPICS + EXTRA_TOPICS + NEW_TOPICS}
+    if len(train) != len(TOPICS + EXTRA_TOPICS + NEW_TOPICS):
+        raise ValueError("a training topic is listed twice (part 6's must be new)")
     for name, other in (("bench", _bench_topics()), ("held-out", HELD_OUT_TOPICS)):
         both = train & {t.lower() for t in other}
         if both:
@@ -175,7 +241,9 @@ def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts,
     `per_topic` + 2 each, and TOPICS x EXTRA_CHAT, 6 each; part 3: every pair of
     (TOPICS + EXTRA_TOPICS) x (CHAT + EXTRA_CHAT) not drawn yet; part 4: `raw_count`
     raw-text openings (tools/mtp_raw.py, no chat template, from seed + 4); part 5: every
-    (TOPICS + EXTRA_TOPICS) x MORE_CHAT pair (no draw: the other parts are unchanged)."""
+    (TOPICS + EXTRA_TOPICS) x MORE_CHAT pair (no draw: the other parts are unchanged); part
+    6: NEW_TOPICS x the bench's four styles (CHAT[:4]) and 4 more styles a topic, drawn from
+    seed + 6."""
     from tools.mtp_raw import HELD_OUT_SEED, raw_prompts
     rng, used = random.Random(seed), set()
     topics = TOPICS[:num_topics]
@@ -187,6 +255,10 @@ def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts,
     out = {1: p1, 2: p2, 3: p3}
     if 5 in parts:
         out[5] = unused_prompts(topics + EXTRA_TOPICS, MORE_CHAT, tokenizer, set())
+    if 6 in parts:
+        others = [c for c in CHAT + EXTRA_CHAT + MORE_CHAT if c not in HELD_OUT_CHAT]
+        out[6] = (unused_prompts(NEW_TOPICS, HELD_OUT_CHAT, tokenizer, set())
+                  + chat_prompts(NEW_TOPICS, others, tokenizer, 4, random.Random(seed + 6)))
     if 4 in parts:
         out[4] = raw_prompts(tokenizer, seed + 4, raw_count)
     held_raw = raw_prompts(tokenizer, HELD_OUT_SEED, RAW_HELD_OUT, held_out=True)

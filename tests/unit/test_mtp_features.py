@@ -13,7 +13,17 @@ import torch
 import tools.mtp_features as features
 from tests.tiny_models import make_tiny_model
 from tests.tiny_tokenizer import add_tiny_tokenizer
-from tools.mtp_corpus import CHAT, EXTRA_CHAT, EXTRA_TOPICS, MORE_CHAT, TOPICS, corpus_prompts
+from tools.mtp_corpus import (
+    CHAT,
+    EXTRA_CHAT,
+    EXTRA_TOPICS,
+    HELD_OUT_CHAT,
+    HELD_OUT_TOPICS,
+    MORE_CHAT,
+    NEW_TOPICS,
+    TOPICS,
+    corpus_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +46,29 @@ def test_part5_adds_new_requests_and_leaves_the_other_parts_alone(tiny):
     seen = {tuple(p) for k in (1, 2, 3) for p in before[k]} | {tuple(p) for p in held}
     assert len({tuple(p) for p in part5}) == len(part5)
     assert not seen & {tuple(p) for p in part5}
+
+
+def test_part6_asks_new_topics_in_the_bench_styles_and_leaves_the_rest_alone(tiny):
+    from bench.spec_decode import TOPICS as BENCH_TOPICS
+    _, tok = tiny
+    before, held, held_raw = corpus_prompts(tok, 0, len(TOPICS), 8, [1, 2, 3, 5], 10)
+    after, held6, held_raw6 = corpus_prompts(tok, 0, len(TOPICS), 8, [1, 2, 3, 5, 6], 10)
+    assert {k: after[k] for k in before} == before
+    assert (held6, held_raw6) == (held, held_raw)
+    named = {t.lower() for t in NEW_TOPICS}
+    assert not named & {t.lower() for t in TOPICS + EXTRA_TOPICS + HELD_OUT_TOPICS
+                        + BENCH_TOPICS}
+    part6 = after[6]
+    assert len(part6) == len(NEW_TOPICS) * (len(HELD_OUT_CHAT) + 4)
+    assert len({tuple(p) for p in part6}) == len(part6)
+    seen = {tuple(p) for k in before for p in before[k]} | {tuple(p) for p in held}
+    assert not seen & {tuple(p) for p in part6}
+    # every new topic in each of the bench's request styles
+    first = NEW_TOPICS[0]
+    asks = {tuple(tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": a.format(t=first)}], True), add_special_tokens=False))
+        for a in HELD_OUT_CHAT}
+    assert asks <= {tuple(p) for p in part6}
 
 
 def _args(folder, tmp_path, parts, topk=4):
