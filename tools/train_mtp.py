@@ -2,12 +2,13 @@
 
 No data is downloaded: the corpus is the model's own greedy continuations
 (tools/mtp_corpus.py), generated with pdserve's engine in bfloat16 at batch 256,
-ignore_eos, as the bench decodes, in five parts (`corpus_prompts`, each cached on its
+ignore_eos, as the bench decodes, in six parts (`corpus_prompts`, each cached on its
 own): chat requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics
 and 10 more styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text
 openings without a chat template (tools/mtp_raw.py: code in 12 languages and forms,
 prose, lists, dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339
-topics. Held out, for the agreement printed after every epoch: 48 chat requests on 12
+topics; (6) 2,200 chat requests on 275 new topics, each in the bench's four styles and 4
+more. Held out, for the agreement printed after every epoch: 48 chat requests on 12
 topics kept out of training and 64 raw openings whose subjects and code tasks no
 training opening uses. Then, once per part: the target's final hidden states h_t, the
 residual streams after the --aux-layers (what the engine's target hands the draft) and
@@ -32,7 +33,8 @@ parts 1 and 4 (~30 min); two epochs on parts 1, 4 and 5 at --lr 1e-3 (~35 min wi
 with 0.6 (~12 min each); then, with --aux-layers 3,15 (the projection starting at zero),
 two epochs at --lr 1e-3 and --step3-weight 0.6 (~25 min of features with the two layers,
 ~25 min of training); then two epochs on all five parts at --lr 5e-4 with --teacher-temp
-0.25 (~27 min for parts 2-3's corpus and features, ~40 min of training).
+0.25 (~27 min for parts 2-3's corpus and features, ~40 min of training); then one epoch on
+all six at --lr 4e-4 (~11 min for part 6's corpus and features, ~24 min of training).
 The caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 
