@@ -14,6 +14,8 @@ Environment switches (read only by `from_env`):
     PDSERVE_CPU_ATTENTION_KERNEL=0   decode attention without the C++ paged kernel
     PDSERVE_CPU_FUSED_OPS=0          rotary, K/V writes and add+RMSNorm as torch ops
     PDSERVE_CPU_PACKED_LINEAR=0      bf16 linear layers through F.linear, not prepacked
+    PDSERVE_CPU_EPILOGUE_SILU_MUL=0  the MLP's silu(gate) * up as torch ops, not in the
+                                     prepacked GEMMs' epilogues
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 ATTENTION_KERNEL_ENV = "PDSERVE_CPU_ATTENTION_KERNEL"
 FUSED_OPS_ENV = "PDSERVE_CPU_FUSED_OPS"
 PACKED_LINEAR_ENV = "PDSERVE_CPU_PACKED_LINEAR"
+EPILOGUE_SILU_MUL_ENV = "PDSERVE_CPU_EPILOGUE_SILU_MUL"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class KernelOptions:
     cpu_grouped_decode: bool = True
     # bf16 Linear weights prepacked for oneDNN at load (engine/layers/linear.py)
     cpu_packed_linear: bool = True
+    # with packed linears, the MLP's silu(gate) * up in the GEMMs' epilogues from 16 rows
+    # (engine/layers/linear.py silu_mul_packed)
+    cpu_epilogue_silu_mul: bool = True
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -51,13 +57,14 @@ class KernelOptions:
         env = os.environ if environ is None else environ
         return cls(cpu_attention_kernel=env.get(ATTENTION_KERNEL_ENV, "1") != "0",
                    cpu_fused_ops=env.get(FUSED_OPS_ENV, "1") != "0",
-                   cpu_packed_linear=env.get(PACKED_LINEAR_ENV, "1") != "0")
+                   cpu_packed_linear=env.get(PACKED_LINEAR_ENV, "1") != "0",
+                   cpu_epilogue_silu_mul=env.get(EPILOGUE_SILU_MUL_ENV, "1") != "0")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:
         """No C++ kernel, SDPA decode: the path every non-CPU device takes."""
         return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False,
-                   cpu_packed_linear=False)
+                   cpu_packed_linear=False, cpu_epilogue_silu_mul=False)
 
     def for_device(self, device: torch.device | str) -> KernelOptions:
         """These options for a model on `device`: the C++ kernels are CPU-only, so
@@ -65,7 +72,7 @@ class KernelOptions:
         if torch.device(device).type == "cpu":
             return self
         return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False,
-                       cpu_packed_linear=False)
+                       cpu_packed_linear=False, cpu_epilogue_silu_mul=False)
 
 
 DEFAULT_KERNELS = KernelOptions()

@@ -24,7 +24,7 @@ from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
-from engine.layers.linear import Linear
+from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, silu_mul_packed
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.model_config import ModelConfig
@@ -65,15 +65,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: KernelOptions = DEFAULT_KERNELS):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        if kernels.cpu_epilogue_silu_mul:     # pack_linears also packs the two halves
+            self.gate_up_proj.split_rows = self.inter
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
+        halves = self.gate_up_proj.packed_halves
+        if (halves is not None and x.dim() == 2 and x.shape[0] >= FUSED_SILU_MUL_ROWS
+                and x.dtype == halves[0].dtype and not torch.is_grad_enabled()):
+            return self.down_proj(silu_mul_packed(x, *halves))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -86,7 +92,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, kernels)
         self.self_attn = Attention(cfg, rotary, backend, kernels)
         self.post_attention_layernorm = RMSNorm(h, eps, kernels)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, kernels)
 
     def forward(self, x, residual, positions, k_cache, v_cache, plan):
         """Returns (MLP output, residual stream before it); the caller adds them, in the

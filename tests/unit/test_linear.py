@@ -89,3 +89,66 @@ def test_pack_keeps_named_dense_weights_and_skips_float32():
     assert pack_linears(model, keep_dense=("lm_head",)) == 2
     assert model["proj"].weight.numel() == 0 and model["lm_head"].weight.shape == (4, 8)
     assert not can_pack(torch.float32, torch.device("cpu"))
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 15, 16, 64, 300])
+def test_packed_mlp_runs_silu_and_mul_in_the_gemm_epilogues_from_16_rows(rows):
+    """From FUSED_SILU_MUL_ROWS rows the MLP takes the two-GEMM path with SiLU and the
+    product fused (one bf16 rounding, closer to float32); below it the fused gate/up GEMM
+    and torch's silu * up, bit for bit."""
+    from types import SimpleNamespace
+
+    from engine.layers.linear import FUSED_SILU_MUL_ROWS, silu_mul_packed
+    from engine.models.decoder import MLP
+    torch.manual_seed(rows)
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu",
+                          mlp_bias=False)
+    mlp = MLP(cfg).to(torch.bfloat16)
+    w = mlp.gate_up_proj.weight.detach().clone()
+    wd = mlp.down_proj.weight.detach().clone()
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    assert pack_linears(mlp) == 2 and mlp.gate_up_proj.packed_halves is not None
+    with torch.inference_mode():
+        y = mlp(x)
+        gate, up = F.linear(x, w).split(96, dim=-1)
+        unfused = F.linear(F.silu(gate) * up, wd)
+        exact = F.silu(x.float() @ w[:96].float().t()) * (x.float() @ w[96:].float().t())
+        if rows < FUSED_SILU_MUL_ROWS:
+            assert torch.equal(y, unfused)
+        else:
+            h = silu_mul_packed(x, *mlp.gate_up_proj.packed_halves)
+            assert torch.equal(y, F.linear(h, wd))
+            err = (h.float() - exact).norm() / exact.norm()
+            assert err < 2 ** -8          # one bf16 rounding of the float32 product
+            assert err <= ((F.silu(gate) * up).float() - exact).norm() / exact.norm()
+
+
+@needs_bf16
+def test_a_gate_up_with_bias_keeps_the_plain_path():
+    from types import SimpleNamespace
+
+    from engine.models.decoder import MLP
+    cfg = SimpleNamespace(hidden_size=32, intermediate_size=48, hidden_act="silu",
+                          mlp_bias=True)
+    mlp = MLP(cfg).to(torch.bfloat16)
+    pack_linears(mlp)
+    assert mlp.gate_up_proj.packed is not None and mlp.gate_up_proj.packed_halves is None
+    with torch.inference_mode():
+        assert mlp(torch.randn(32, 32, dtype=torch.bfloat16)).shape == (32, 32)
+
+
+@needs_bf16
+def test_the_epilogue_silu_mul_switch_keeps_the_plain_path():
+    from types import SimpleNamespace
+
+    from engine.layers.kernel_options import KernelOptions
+    from engine.models.decoder import MLP
+    off = KernelOptions.from_env({"PDSERVE_CPU_EPILOGUE_SILU_MUL": "0"})
+    assert not off.cpu_epilogue_silu_mul and KernelOptions.from_env({}).cpu_epilogue_silu_mul
+    assert not KernelOptions().for_device("meta").cpu_epilogue_silu_mul
+    cfg = SimpleNamespace(hidden_size=32, intermediate_size=48, hidden_act="silu",
+                          mlp_bias=False)
+    mlp = MLP(cfg, off).to(torch.bfloat16)
+    pack_linears(mlp)
+    assert mlp.gate_up_proj.packed is not None and mlp.gate_up_proj.packed_halves is None
