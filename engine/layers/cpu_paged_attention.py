@@ -13,7 +13,8 @@ Built through engine/layers/cpu_extension.py. Used by SdpaAttention for CPU deco
 (plain decode and k+1-row verify runs) when its KernelOptions turn it on and the kernel
 builds; otherwise the torch path runs and a warning says why (PDSERVE_CPU_ATTENTION_KERNEL=0,
 read by engine/layers/kernel_options.py, skips the build).
-Inputs: q [N, Hq, D] (N = B*rows), the head-major cache [Hkv, blocks, block_size, D],
+Inputs: q [N, Hq, D] (N = B*rows; rows may be strided, as in a view into the fused qkv
+output, each row's heads contiguous), the head-major cache [Hkv, blocks, block_size, D],
 block tables [B, W] int32 and the KV length of each query row [N] int32 (row r belongs to
 sequence r // rows).
 """
@@ -95,6 +96,7 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
                          const at::Tensor& bt, const at::Tensor& kvlen, at::Tensor& out,
                          int64_t rows, double scale_d) {
   const int64_t N = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2);
+  const int64_t qs = q.stride(0);   // q may be a view into the fused qkv rows
   const int64_t Hk = kc.size(0), NB = kc.size(1), BS = kc.size(2);
   const int64_t W = bt.size(1), G = Hq / Hk;
   const float scale = static_cast<float>(scale_d);
@@ -112,7 +114,7 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
       sc.resize(G * L);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = to_f(qp[(r * Hq + h * G + g) * D + d]);
+          qf[g * D + d] = to_f(qp[r * qs + (h * G + g) * D + d]);
       const int64_t nblk = (L + BS - 1) / BS;
       for (int64_t j = 0; j < std::min(nblk, AHEAD); ++j) {
         prefetch_block(kp + (h * NB + btp[b * W + j]) * BS * D, BS * D);
@@ -188,7 +190,7 @@ static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc,
                                   const at::Tensor& kvlen, at::Tensor& out, int64_t rows,
                                   double scale_d) {
   constexpr int64_t D = 64;
-  const int64_t N = q.size(0), Hq = q.size(1);
+  const int64_t N = q.size(0), Hq = q.size(1), qs = q.stride(0);
   const int64_t Hk = kc.size(0), NB = kc.size(1), BS = kc.size(2);
   const int64_t W = bt.size(1);
   constexpr int64_t G = GC;
@@ -208,7 +210,7 @@ static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc,
       const int64_t L = std::min<int64_t>(lp[r], W * BS);
       sc.resize(G * L);
       for (int64_t g = 0; g < G; ++g) {
-        const at::BFloat16* qg = qp + (r * Hq + h * G + g) * D;
+        const at::BFloat16* qg = qp + r * qs + (h * G + g) * D;
         qv[2 * g] = _mm512_loadu_si512(qg);
         qv[2 * g + 1] = _mm512_loadu_si512(qg + 32);
       }
@@ -281,8 +283,9 @@ bool bf16_d64_fast() {
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
                                   at::Tensor kvlen, int64_t rows, double scale) {
-  TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous(),
-              "paged_decode_attention: q and the caches must be contiguous");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2)
+              && kc.is_contiguous() && vc.is_contiguous(),
+              "paged_decode_attention: q's heads and the caches must be contiguous");
   TORCH_CHECK(bt.scalar_type() == at::kInt && kvlen.scalar_type() == at::kInt,
               "paged_decode_attention: block tables and kv lengths must be int32");
   TORCH_CHECK(q.scalar_type() == kc.scalar_type() && kc.scalar_type() == vc.scalar_type(),
@@ -290,7 +293,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
   TORCH_CHECK(q.size(1) % kc.size(0) == 0, "query heads must be a multiple of KV heads");
   auto btc = bt.contiguous();
   auto lens = kvlen.contiguous();
-  auto out = at::empty_like(q);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t d = q.size(2);
   if (q.scalar_type() == at::kFloat) {
     if (d == 64) paged_decode<float, 64>(q, kc, vc, btc, lens, out, rows, scale);
@@ -317,7 +320,7 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_paged_attention_v10", _SOURCE, ["paged_decode_attention", "bf16_d64_fast"],
+    "pdserve_cpu_paged_attention_v11", _SOURCE, ["paged_decode_attention", "bf16_d64_fast"],
     ["-ffast-math", "-fno-finite-math-only"], "CPU paged attention kernel")
 
 
@@ -341,6 +344,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mod = kernel()
     if mod is None:
         raise RuntimeError(f"CPU paged attention kernel unavailable: {EXTENSION.failed}")
-    return mod.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables,
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()      # else a view into the fused qkv rows is read in place
+    return mod.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                       kv_lens, rows, scale)
 

@@ -83,3 +83,28 @@ def test_bf16_prefill_through_the_kernel_matches_sdpa(groups, monkeypatch):
         assert bool(calls) == (name == "kernel" and fast_here)
     torch.testing.assert_close(outs["kernel"].float(), outs["sdpa"].float(),
                                rtol=1.6e-2, atol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 32])
+def test_the_kernel_reads_q_in_place_from_the_fused_qkv_rows(dtype, d):
+    """q as the attention layer hands it over: a view of the fused qkv output, whose rows
+    are wider than q's heads. The kernel reads it with its row stride (no copy) and gives
+    the same bits as for a contiguous copy."""
+    assert cpu_paged_attention.kernel() is not None, cpu_paged_attention.EXTENSION.failed
+    hq, hk = 6, 2
+    q, _, _, kc, vc, meta = _paged_case(d, [3, 17, 40], 1, hq=hq, hk=hk, d=d, bs=16,
+                                        width=3)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    qkv = torch.randn(q.shape[0], (hq + 2 * hk) * d).to(dtype)
+    qkv[:, :hq * d] = q.reshape(q.shape[0], -1)
+    view = qkv[:, :hq * d].view(q.shape[0], hq, d)
+    assert not view.is_contiguous()
+    lens = meta.seq_lens.to(torch.int32).contiguous()
+    got = cpu_paged_attention.paged_decode_attention(view, kc, vc, meta.block_tables, lens,
+                                                     1, 0.125)
+    want = cpu_paged_attention.paged_decode_attention(q.contiguous(), kc, vc,
+                                                      meta.block_tables, lens, 1, 0.125)
+    assert got.is_contiguous() and torch.equal(got, want)
+    ref = _reference(q.float(), kc.float(), vc.float(), meta, 1, 0.125)
+    torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=4e-3)
