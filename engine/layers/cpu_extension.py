@@ -63,9 +63,10 @@ class CpuExtension:
         self.functions = functions
         self.cflags = cflags
         self.what = what                # for log lines
-        # OpenMP here is the extension's own runtime, beside torch's (torch.set_num_threads
-        # does not reach it): worth it for big calls, but a parallel region in a small
-        # call waits for a second thread to be scheduled (ms on a loaded box)
+        # -fopenmp links libgomp.so.1, which in a process that imported torch first
+        # resolves to torch's own copy (one runtime in /proc/self/maps): worth it for big
+        # calls, but a parallel region in a small call waits for a second thread to be
+        # scheduled (ms on a loaded box), so kernels keep small calls inline
         self.openmp = openmp
         self.module = None
         self.failed: str | None = None

@@ -18,9 +18,12 @@ non-matmul time. Here most of them are four calls a layer:
                 absorbs; float32 keeps the torch path and stays bit-equal to HF.
 
 Compiled with -ffp-contract=off: no fused multiply-adds, so every product and sum rounds
-as torch's separate ops do. Single-threaded (no OpenMP runtime of its own: see
-cpu_extension.py): even a 2048-row prefill chunk's calls are memory-bound passes that one
-core does faster than torch's 2-4 separate multi-threaded ops.
+as torch's separate ops do. A call over at most PAR_ROWS (256) rows, as every decode
+step's, runs on the calling thread (no wait for a second thread); longer ones (prefill
+chunks) split their rows over torch's threads with at::parallel_for. Each row is computed
+alone, so the split changes no bit. Measured on a 2,048-token bf16 prefill step of
+SmolLM2, 2 threads: add_rms_norm 62 -> 34 ms, write_kv 38 -> 22 ms, rope_ 20 -> 11 ms
+(the step 1.378 -> 1.337 s).
 """
 
 from __future__ import annotations
@@ -31,11 +34,16 @@ from engine.layers.cpu_extension import CpuExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+// Rows per task: a call over fewer rows (every decode step) runs inline on the calling
+// thread; a prefill chunk's rows are split over torch's threads.
+constexpr int64_t PAR_ROWS = 256;
 
 inline float bf2f(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -75,8 +83,9 @@ void rope_impl(at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cos,
   const int64_t* p = pos.data_ptr<int64_t>();
   const float* ct = cos.data_ptr<float>();
   const float* st = sin.data_ptr<float>();
+  at::parallel_for(0, rows, PAR_ROWS, [&](int64_t begin, int64_t end) {
   float x[1024], c[1024], s[1024];
-  for (int64_t t = 0; t < rows; ++t) {
+  for (int64_t t = begin; t < end; ++t) {
     const float* cr = ct + p[t] * D;
     const float* sr = st + p[t] * D;
 #pragma omp simd
@@ -93,6 +102,7 @@ void rope_impl(at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cos,
         xh[i] = E::store(E::round(x[i] * c[i]) + E::round(x[i - half] * s[i]));
     }
   }
+  });
 }
 
 void add_rms_norm_bf16(const at::Tensor& x, const at::Tensor* res, const at::Tensor& w,
@@ -106,8 +116,9 @@ void add_rms_norm_bf16(const at::Tensor& x, const at::Tensor* res, const at::Ten
   T* op = reinterpret_cast<T*>(out.data_ptr());
   T* sp = reinterpret_cast<T*>(sum.data_ptr());
   const float eps = static_cast<float>(eps_d);
+  at::parallel_for(0, rows, PAR_ROWS, [&](int64_t begin, int64_t end) {
   float v[8192];
-  for (int64_t t = 0; t < rows; ++t) {
+  for (int64_t t = begin; t < end; ++t) {
     const T* xr = xp + t * H;
     float ss = 0.f;
     if (rp) {
@@ -131,6 +142,7 @@ void add_rms_norm_bf16(const at::Tensor& x, const at::Tensor* res, const at::Ten
     for (int64_t i = 0; i < H; ++i)
       o[i] = E::store(E::load(wp[i]) * E::round(v[i] * rstd));
   }
+  });
 }
 
 bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
@@ -183,12 +195,14 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor kc, at::Tensor vc, at::Tens
   char* vb = static_cast<char*>(vc.data_ptr());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hk; ++h) {
-      const int64_t dst = ((h * nslots) + sl[t]) * D * es;
-      std::memcpy(kb + dst, ks + (t * k.stride(0) + h * k.stride(1)) * es, D * es);
-      std::memcpy(vb + dst, vs + (t * v.stride(0) + h * v.stride(1)) * es, D * es);
-    }
+  at::parallel_for(0, T, PAR_ROWS, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < Hk; ++h) {
+        const int64_t dst = ((h * nslots) + sl[t]) * D * es;
+        std::memcpy(kb + dst, ks + (t * k.stride(0) + h * k.stride(1)) * es, D * es);
+        std::memcpy(vb + dst, vs + (t * v.stride(0) + h * v.stride(1)) * es, D * es);
+      }
+  });
 }
 
 // (RMSNorm(residual + x) * weight, residual + x); residual may be None (then just x)
@@ -217,9 +231,8 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_fused_ops_v7", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
-    ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "CPU fused decoder ops",
-    openmp=False)
+    "pdserve_cpu_fused_ops_v8", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
+    ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "CPU fused decoder ops")
 
 # dtypes each op may take in the model: the exact ones for float32 and bfloat16, the norm
 # (whose float32 result could differ from torch's in the last bit) for bfloat16 only

@@ -3,7 +3,8 @@
 rope_ and write_kv must be bit-identical (float32 and bfloat16); add_rms_norm (used for
 bfloat16 only) may differ from torch's in the last bit where its float32 sum runs in
 another order, which bfloat16's rounding nearly always absorbs: two bfloat16 ulps at most,
-and almost every element equal.
+and almost every element equal. Calls over more than PAR_ROWS (256) rows split their rows
+over torch's threads; the row counts here run both ways.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 32), (2, 1, 128)])
-def test_rope_matches_the_torch_rotary_bitwise(dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("t", [37, 1000])
+def test_rope_matches_the_torch_rotary_bitwise(dtype, heads, kv_heads, head_dim, t):
     g = torch.Generator().manual_seed(heads * head_dim)
     rot = RotaryEmbedding(head_dim, 4096, 10000.0)
-    t = 37
     qkv = (torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
     positions = torch.randint(0, 4096, (t,), generator=g)
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
@@ -58,9 +59,10 @@ def test_rope_rejects_a_position_outside_the_table():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_equals_index_copy(dtype):
+@pytest.mark.parametrize("t", [9, 600])
+def test_write_kv_equals_index_copy(dtype, t):
     g = torch.Generator().manual_seed(1)
-    hk, blocks, bs, d, t = 3, 10, 4, 16, 9
+    hk, blocks, bs, d = 3, 200, 4, 16
     kc, vc = (torch.randn(hk, blocks, bs, d, generator=g).to(dtype) for _ in range(2))
     qkv = torch.randn(t, (4 + 2 * hk) * d, generator=g).to(dtype)     # strided k and v
     k = qkv[:, 4 * d:(4 + hk) * d].view(t, hk, d)
@@ -93,6 +95,10 @@ def test_add_rms_norm_bf16_within_two_ulps_of_torch(hidden, rows, with_residual)
     ulps = _ulps(out, want)
     assert int(ulps.max()) <= 2
     assert float((ulps == 0).float().mean()) > 0.999
+    # rows are independent: split over threads or not, every row has the same bits
+    parts = [cpu_fused_ops.add_rms_norm(x[i:i + 100], None if res is None else res[i:i + 100],
+                                        norm.weight, 1e-5)[0] for i in range(0, rows, 100)]
+    assert torch.equal(out, torch.cat(parts))
 
 
 def test_fits_only_cpu_inference_in_its_dtypes():
