@@ -22,6 +22,7 @@ from tools.mtp_corpus import (
     MORE_CHAT,
     NEW_TOPICS,
     TOPICS,
+    _encode,
     corpus_prompts,
 )
 
@@ -34,40 +35,37 @@ def tiny(tmp_path_factory):
     return folder, Tokenizer(str(folder))
 
 
+def _new_part(tok, earlier: list[int], part: int) -> list[list[int]]:
+    """Part `part`, drawn beside the `earlier` parts: those and the held-out sets come out
+    the same with it or without it, and its requests are distinct and new."""
+    before, held, held_raw = corpus_prompts(tok, 0, len(TOPICS), 8, earlier, 10)
+    after, held2, held_raw2 = corpus_prompts(tok, 0, len(TOPICS), 8, earlier + [part], 10)
+    assert {k: after[k] for k in before} == before
+    assert (held2, held_raw2) == (held, held_raw)
+    added = {tuple(p) for p in after[part]}
+    assert len(added) == len(after[part])
+    seen = {tuple(p) for k in before for p in before[k]} | {tuple(p) for p in held}
+    assert not seen & added
+    return after[part]
+
+
 def test_part5_adds_new_requests_and_leaves_the_other_parts_alone(tiny):
     _, tok = tiny
-    before, held, held_raw = corpus_prompts(tok, 0, len(TOPICS), 8, [1, 2, 3, 4], 10)
-    after, held5, held_raw5 = corpus_prompts(tok, 0, len(TOPICS), 8, [1, 2, 3, 4, 5], 10)
-    assert {k: after[k] for k in before} == before
-    assert (held5, held_raw5) == (held, held_raw)
     assert not set(MORE_CHAT) & set(CHAT + EXTRA_CHAT)
-    part5 = after[5]
+    part5 = _new_part(tok, [1, 2, 3, 4], 5)
     assert len(part5) == len(TOPICS + EXTRA_TOPICS) * len(MORE_CHAT)
-    seen = {tuple(p) for k in (1, 2, 3) for p in before[k]} | {tuple(p) for p in held}
-    assert len({tuple(p) for p in part5}) == len(part5)
-    assert not seen & {tuple(p) for p in part5}
 
 
 def test_part6_asks_new_topics_in_the_bench_styles_and_leaves_the_rest_alone(tiny):
     from bench.spec_decode import TOPICS as BENCH_TOPICS
     _, tok = tiny
-    before, held, held_raw = corpus_prompts(tok, 0, len(TOPICS), 8, [1, 2, 3, 5], 10)
-    after, held6, held_raw6 = corpus_prompts(tok, 0, len(TOPICS), 8, [1, 2, 3, 5, 6], 10)
-    assert {k: after[k] for k in before} == before
-    assert (held6, held_raw6) == (held, held_raw)
     named = {t.lower() for t in NEW_TOPICS}
     assert not named & {t.lower() for t in TOPICS + EXTRA_TOPICS + HELD_OUT_TOPICS
                         + BENCH_TOPICS}
-    part6 = after[6]
+    part6 = _new_part(tok, [1, 2, 3, 5], 6)
     assert len(part6) == len(NEW_TOPICS) * (len(HELD_OUT_CHAT) + 4)
-    assert len({tuple(p) for p in part6}) == len(part6)
-    seen = {tuple(p) for k in before for p in before[k]} | {tuple(p) for p in held}
-    assert not seen & {tuple(p) for p in part6}
     # every new topic in each of the bench's request styles
-    first = NEW_TOPICS[0]
-    asks = {tuple(tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": a.format(t=first)}], True), add_special_tokens=False))
-        for a in HELD_OUT_CHAT}
+    asks = {tuple(_encode(tok, a.format(t=NEW_TOPICS[0]))) for a in HELD_OUT_CHAT}
     assert asks <= {tuple(p) for p in part6}
 
 
