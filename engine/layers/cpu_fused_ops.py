@@ -228,10 +228,17 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, c10::optional<at::Tensor> res
   return {out, sum};
 }
 
+// the addresses of rope_, write_kv and add_rms_norm, for engine/layers/cpu_decode_layers.py,
+// which calls them from C++ (the same compiled code as these Python bindings)
+std::vector<int64_t> kernel_table() {
+  return {reinterpret_cast<int64_t>(&rope_), reinterpret_cast<int64_t>(&write_kv),
+          reinterpret_cast<int64_t>(&add_rms_norm)};
+}
+
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_fused_ops_v8", _SOURCE, ["rope_", "write_kv", "add_rms_norm"],
+    "pdserve_cpu_fused_ops_v9", _SOURCE, ["rope_", "write_kv", "add_rms_norm", "kernel_table"],
     ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"], "CPU fused decoder ops")
 
 # dtypes each op may take in the model: the exact ones for float32 and bfloat16, the norm

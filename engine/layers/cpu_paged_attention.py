@@ -317,10 +317,16 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
   }
   return out;
 }
+
+// its address, for engine/layers/cpu_decode_layers.py (which calls it from C++)
+std::vector<int64_t> kernel_table() {
+  return {reinterpret_cast<int64_t>(&paged_decode_attention)};
+}
 """
 
 EXTENSION = CpuExtension(
-    "pdserve_cpu_paged_attention_v11", _SOURCE, ["paged_decode_attention", "bf16_d64_fast"],
+    "pdserve_cpu_paged_attention_v12", _SOURCE,
+    ["paged_decode_attention", "bf16_d64_fast", "kernel_table"],
     ["-ffast-math", "-fno-finite-math-only"], "CPU paged attention kernel")
 
 

@@ -16,6 +16,8 @@ Environment switches (read only by `from_env`):
     PDSERVE_CPU_PACKED_LINEAR=0      bf16 linear layers through F.linear, not prepacked
     PDSERVE_CPU_EPILOGUE_SILU_MUL=0  the MLP's silu(gate) * up as torch ops, not in the
                                      prepacked GEMMs' epilogues
+    PDSERVE_CPU_DECODE_LAYERS=0      decode steps through the Python layers, not one C++
+                                     call over all of them
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ ATTENTION_KERNEL_ENV = "PDSERVE_CPU_ATTENTION_KERNEL"
 FUSED_OPS_ENV = "PDSERVE_CPU_FUSED_OPS"
 PACKED_LINEAR_ENV = "PDSERVE_CPU_PACKED_LINEAR"
 EPILOGUE_SILU_MUL_ENV = "PDSERVE_CPU_EPILOGUE_SILU_MUL"
+DECODE_LAYERS_ENV = "PDSERVE_CPU_DECODE_LAYERS"
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ class KernelOptions:
     # with packed linears, the MLP's silu(gate) * up in the GEMMs' epilogues from 16 rows
     # (engine/layers/linear.py silu_mul_packed)
     cpu_epilogue_silu_mul: bool = True
+    # decode-only forwards run every decoder layer in one C++ call when the pieces above
+    # are all on (engine/layers/cpu_decode_layers.py): the same kernels, no Python between
+    cpu_decode_layers: bool = True
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -58,13 +64,15 @@ class KernelOptions:
         return cls(cpu_attention_kernel=env.get(ATTENTION_KERNEL_ENV, "1") != "0",
                    cpu_fused_ops=env.get(FUSED_OPS_ENV, "1") != "0",
                    cpu_packed_linear=env.get(PACKED_LINEAR_ENV, "1") != "0",
-                   cpu_epilogue_silu_mul=env.get(EPILOGUE_SILU_MUL_ENV, "1") != "0")
+                   cpu_epilogue_silu_mul=env.get(EPILOGUE_SILU_MUL_ENV, "1") != "0",
+                   cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:
         """No C++ kernel, SDPA decode: the path every non-CPU device takes."""
         return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False,
-                   cpu_packed_linear=False, cpu_epilogue_silu_mul=False)
+                   cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
+                   cpu_decode_layers=False)
 
     def for_device(self, device: torch.device | str) -> KernelOptions:
         """These options for a model on `device`: the C++ kernels are CPU-only, so
@@ -72,7 +80,8 @@ class KernelOptions:
         if torch.device(device).type == "cpu":
             return self
         return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False,
-                       cpu_packed_linear=False, cpu_epilogue_silu_mul=False)
+                       cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
+                       cpu_decode_layers=False)
 
 
 DEFAULT_KERNELS = KernelOptions()

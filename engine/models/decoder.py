@@ -22,11 +22,13 @@ from torch import nn
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
+from engine.layers import cpu_decode_layers
 from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, silu_mul_packed
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.sdpa_attention import AttentionPlan, SdpaAttention
 from engine.models.model_config import ModelConfig
 
 
@@ -124,6 +126,10 @@ class DecoderForCausalLM(nn.Module):
         # register the shared rotary tables once, so .to(device) moves them
         self.rotary = rotary
         self.aux_layers: tuple[int, ...] = ()
+        # decode-only forwards in one C++ call (engine/layers/cpu_decode_layers.py): set up
+        # at the first decode forward (the linears are packed after construction)
+        self._decode_layers: DecodeLayers | None | bool = (
+            kernels.cpu_decode_layers and cpu_decode_layers.available())
 
     def set_aux_layers(self, layers: tuple[int, ...] | list[int]) -> None:
         """Also return the residual stream after each of these layers (ascending), after
@@ -148,14 +154,82 @@ class DecoderForCausalLM(nn.Module):
         # too), never reused from an earlier one
         self.rotary.begin_forward()
         x, residual, aux = self.embed_tokens(token_ids), None, []
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], plan)
-            if i in self.aux_layers:
-                aux.append(x + residual)
+        runner = self.decode_layers()
+        if runner is not None and runner.serves(x, plan):
+            x, residual, *aux = runner.run(x, positions, kv_cache, plan, self.aux_layers)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, positions, kv_cache.k[i], kv_cache.v[i], plan)
+                if i in self.aux_layers:
+                    aux.append(x + residual)
         hidden = self.norm.add(x, residual)[0]
         return torch.cat([hidden, *aux], dim=-1) if aux else hidden
+
+    def decode_layers(self) -> DecodeLayers | None:
+        """The one-call decode runner, or None when this model's layers cannot take it
+        (decided at the first call, after the loader packed the linears)."""
+        if self._decode_layers is True:
+            self._decode_layers = DecodeLayers.for_model(self)
+        return self._decode_layers or None
 
     def logits(self, hidden: torch.Tensor, selected_token_idxes: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that will be sampled only (seed step 3), in float32."""
         final = hidden[:, :self.config.hidden_size]     # the whole row without aux layers
         return self.lm_head(final.index_select(0, selected_token_idxes)).float()
+
+
+class DecodeLayers:
+    """A DecoderForCausalLM's layers as engine/layers/cpu_decode_layers.py takes them: its
+    weights gathered once, and the check of which forwards it serves."""
+
+    def __init__(self, model: DecoderForCausalLM):
+        cfg, attn = model.config, model.layers[0].self_attn
+        empty = torch.empty(0, dtype=attn.qkv_proj.packed.dtype)
+        self.weights = []
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            halves = mlp.gate_up_proj.packed_halves or (empty, empty)
+            self.weights += [layer.input_layernorm.weight, a.qkv_proj.packed,
+                             empty if a.qkv_proj.bias is None else a.qkv_proj.bias,
+                             a.o_proj.packed, layer.post_attention_layernorm.weight, *halves,
+                             mlp.gate_up_proj.packed, mlp.down_proj.packed]
+        self.rotary = model.rotary
+        self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.intermediate_size,
+                     FUSED_SILU_MUL_ROWS]
+        self.eps, self.scale = cfg.rms_norm_eps, model.attention.scale
+        self.table = cpu_decode_layers.kernel_table()
+
+    @classmethod
+    def for_model(cls, model: DecoderForCausalLM) -> DecodeLayers | None:
+        """None unless every layer runs the kernels the C++ call makes: packed bf16
+        linears (no o/MLP bias), fused norms and rope, no q/k norm, the paged kernel."""
+        backend = model.attention
+        if (model.config.qk_norm or not isinstance(backend, SdpaAttention)
+                or not (backend.use_cpu_kernel and backend.fused_write and model.rotary.fused)):
+            return None
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (any(m.packed is None or m.packed.dtype != torch.bfloat16 for m in linears)
+                    or any(m.bias is not None for m in linears[1:])
+                    or not (layer.input_layernorm.fused_add
+                            and layer.post_attention_layernorm.fused_add)):
+                return None
+        return cls(model)
+
+    def serves(self, x: torch.Tensor, plan) -> bool:
+        """A decode-only forward (plain or verify rows, padding included) in bf16 on CPU,
+        its attention on the paged kernel, without autograd."""
+        return (isinstance(plan, AttentionPlan) and plan.kv_lens is not None
+                and not plan.meta.num_prefills and x.shape[0] == plan.num_dec * plan.rows
+                and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and not torch.is_grad_enabled())
+
+    def run(self, x, positions, kv_cache: KVCache, plan: AttentionPlan,
+            aux_layers: tuple[int, ...]) -> list[torch.Tensor]:
+        """[x, residual, the stream after each aux layer...], as the layers' loop."""
+        meta = plan.meta
+        return cpu_decode_layers.decode_layers(
+            x, self.weights, list(kv_cache.k), list(kv_cache.v), positions, self.rotary.cos,
+            self.rotary.sin_signed, meta.slot_mapping, meta.block_tables, plan.kv_lens,
+            self.table, [plan.rows, *self.dims], self.eps, self.scale, aux_layers)

@@ -1,0 +1,98 @@
+"""The one-call C++ decode layers (engine/layers/cpu_decode_layers.py): every decode-only
+forward an engine runs gives the same bits as the Python layers' loop on the same inputs
+(plain decode at batch sizes on both sides of the MLP's epilogue threshold, a qkv bias,
+aux-layer streams, MTP verify rows), and models it cannot serve keep the Python layers."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.layers.kernel_options import DECODE_LAYERS_ENV
+from engine.layers.linear import FUSED_SILU_MUL_ROWS
+from tests.tiny_models import make_tiny_model, random_prompts
+from tests.tiny_mtp import with_mtp
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("decode-layers")
+
+
+def _both_paths(model) -> list[tuple[int, int]]:
+    """Make every forward of `model` that the runner serves run the Python layers too, on
+    the same inputs, and assert the outputs are equal bit for bit (the second run writes
+    the same K/V into the same slots). Returns (rows, rows per sequence) of each."""
+    runner = model.decode_layers()
+    assert runner is not None
+    served = []
+    forward = type(model).forward
+
+    def checked(self, token_ids, positions, kv_cache, meta):
+        plan = self.attention.prepare(meta, kv_cache.k[0])
+        x = self.embed_tokens(token_ids)
+        if not runner.serves(x, plan):
+            return forward(self, token_ids, positions, kv_cache, meta)
+        fast = forward(self, token_ids, positions, kv_cache, meta)
+        self._decode_layers = False             # decode_layers() -> None: the Python loop
+        try:
+            slow = forward(self, token_ids, positions, kv_cache, meta)
+        finally:
+            self._decode_layers = runner
+        assert fast.dtype == torch.bfloat16 and torch.equal(fast, slow), \
+            f"decode forward over {x.shape[0]} rows differs from the Python layers"
+        served.append((x.shape[0], plan.rows))
+        return fast
+
+    model.forward = types.MethodType(checked, model)
+    return served
+
+
+def _generate(llm, n: int, seed: int = 0):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(n, [3, 9, 17, 30], 320, seed)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i in range(n)]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("name,aux", [("llama-tied-gqa", ()), ("qwen2-gqa4", ()),
+                                      ("llama-tied-gqa", (0,))])
+def test_decode_forwards_equal_the_python_layers(root, name, aux):
+    folder, _ = make_tiny_model(name, root)
+    llm = LLM(folder, dtype="bfloat16", block_size=4, max_num_seqs=24)
+    model = llm.engine.worker.model
+    model.set_aux_layers(aux)
+    served = _both_paths(model)
+    outs = _generate(llm, 20)
+    assert all(len(o.outputs[0].token_ids) == 4 + 3 * i for i, o in enumerate(outs))
+    sizes = {n for n, _ in served}
+    # both MLP paths: the epilogue GEMMs from FUSED_SILU_MUL_ROWS rows, one GEMM below
+    assert max(sizes) >= FUSED_SILU_MUL_ROWS and min(sizes) < FUSED_SILU_MUL_ROWS, sizes
+
+
+def test_mtp_verify_rows_equal_the_python_layers(root):
+    base, _ = make_tiny_model("llama-tied-gqa", root)
+    folder = with_mtp(base, root / "llama-mtp")
+    llm = LLM(folder, dtype="bfloat16", block_size=4, speculative_method="mtp",
+              num_speculative_tokens=2)
+    served = _both_paths(llm.engine.worker.model)
+    _generate(llm, 6, seed=1)
+    assert any(rows == 3 for _, rows in served), served
+
+
+@pytest.mark.parametrize("name,dtype,env", [
+    ("qwen3-qknorm-hd24", "bfloat16", "1"),             # q/k norm: not in the C++ layer
+    ("llama-untied-hd32-llama3rope", "bfloat16", "1"),  # o_proj and MLP biases
+    ("llama-tied-gqa", "float32", "1"),                 # no packed linears in float32
+    ("llama-tied-gqa", "bfloat16", "0"),                # switched off
+])
+def test_models_it_cannot_serve_keep_the_python_layers(root, monkeypatch, name, dtype, env):
+    monkeypatch.setenv(DECODE_LAYERS_ENV, env)
+    folder, _ = make_tiny_model(name, root)
+    llm = LLM(folder, dtype=dtype, block_size=4)
+    assert llm.engine.worker.model.decode_layers() is None
+    outs = _generate(llm, 3)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 7, 10]
