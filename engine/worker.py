@@ -33,7 +33,8 @@ class Worker:
         self.device = device
         self.executor = build_executor(model, kv_cache, device, graph)
         self.graphs_on = graph is not None
-        self.sampler = Sampler()
+        kernels = getattr(model, "kernels", None)
+        self.sampler = Sampler(cpu_argmax=kernels is not None and kernels.cpu_fused_ops)
         self.prepare_stream = device.new_stream()
 
     def prepare_work_before_execute(self, fi: ForwardInput) -> PreparedInput:

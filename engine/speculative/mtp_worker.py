@@ -62,7 +62,7 @@ class MTPWorker(SpeculativeWorker):
                          max_model_len)
         self.draft = draft
         self.draft_executor = MTPExecutor(draft, draft_kv_cache)
-        self.draft_sampler = Sampler()
+        self.draft_sampler = Sampler(cpu_argmax=target.sampler.cpu_argmax)
         self.embedding_cache = EmbeddingCache()
 
     def draft_forward(self, fi: ForwardInput, prev_hidden: torch.Tensor

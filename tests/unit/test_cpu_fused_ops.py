@@ -116,3 +116,49 @@ def test_add_rms_norm_refuses_float32():
     x = torch.ones(2, 8)
     with pytest.raises(RuntimeError, match="bfloat16"):
         cpu_fused_ops.add_rms_norm(x, None, torch.ones(8), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 100, 49152])
+def test_argmax_rows_gives_torch_argmax_indices(dtype, n):
+    """Random rows, then the cases a lane-wise maximum can get wrong: the maximum repeated
+    (the first index wins), in the tail past the last 16 lanes, at index 0, a NaN (the
+    first NaN wins), -inf everywhere, one row of equal values, and a strided row view."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=g).to(dtype)
+    top = x.abs().max() + 1
+    x[1, n // 2:] = top                                  # ties: the first one
+    x[2, -1] = top                                       # in the tail
+    x[3, 0] = top
+    x[4, n // 3] = float("nan")
+    x[4, -1] = float("nan")
+    x[9, 0] = float("nan")                               # a NaN first
+    x[5] = float("-inf")
+    x[6] = 0.5
+    x[7, :] = -top
+    x[7, n - 1 - n // 4] = -top + 1
+    x[8, n // 2] = -0.0
+    x[8, :n // 2] = 0.0
+    x[8, n // 2 + 1:] = -1.0
+    wide = torch.randn(12, n + 5, generator=g).to(dtype)
+    for rows in (x, wide[:, 2:n + 2]):
+        assert torch.equal(cpu_fused_ops.argmax_rows(rows), rows.argmax(dim=-1))
+
+
+def test_sampler_greedy_rows_take_the_kernel(monkeypatch):
+    """The Worker's sampler (cpu_argmax on with the fused ops) routes greedy argmax through
+    the kernel and gets torch's tokens; a sampler without it keeps torch's argmax."""
+    from engine.sampler import Sampler
+    from engine.sampling_metadata import SamplingMetadata
+    from engine.sampling_params import SamplingParams
+    logits = torch.randn(9, 500, generator=torch.Generator().manual_seed(3))
+    meta = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 9, [[1]] * 9, [[]] * 9,
+                                  [None] * 9, 500)
+    calls = []
+    real = cpu_fused_ops.argmax_rows
+    monkeypatch.setattr(cpu_fused_ops, "argmax_rows", lambda x: calls.append(1) or real(x))
+    with torch.inference_mode():
+        fast = Sampler(cpu_argmax=True)(logits, meta).next_tokens
+        plain = Sampler()(logits, meta).next_tokens
+    assert calls == [1]
+    assert torch.equal(fast, logits.argmax(dim=-1)) and torch.equal(plain, fast)
