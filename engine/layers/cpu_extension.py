@@ -189,18 +189,30 @@ def _find_ninja() -> None:
 
 
 def all_extensions() -> list[CpuExtension]:
-    from engine.layers import cpu_decode_layers, cpu_fused_ops, cpu_paged_attention
-    return [cpu_paged_attention.EXTENSION, cpu_fused_ops.EXTENSION, cpu_decode_layers.EXTENSION]
+    from engine.layers import (
+        cpu_decode_layers,
+        cpu_fused_ops,
+        cpu_paged_attention,
+        cpu_prefill_attention,
+    )
+    return [cpu_paged_attention.EXTENSION, cpu_fused_ops.EXTENSION, cpu_decode_layers.EXTENSION,
+            cpu_prefill_attention.EXTENSION]
 
 
 def preload(options) -> dict[str, bool]:
     """Build or load now the kernels `options` (a KernelOptions narrowed to the device)
     turn on: what -> loaded. A process that calls this before serving never builds
     later (each extension loads once per process). May raise KernelBuildLockTimeout."""
-    from engine.layers import cpu_decode_layers, cpu_fused_ops, cpu_paged_attention
+    from engine.layers import (
+        cpu_decode_layers,
+        cpu_fused_ops,
+        cpu_paged_attention,
+        cpu_prefill_attention,
+    )
     wanted = [(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
               (options.cpu_fused_ops, cpu_fused_ops.EXTENSION),
-              (options.cpu_decode_layers, cpu_decode_layers.EXTENSION)]
+              (options.cpu_decode_layers, cpu_decode_layers.EXTENSION),
+              (options.cpu_prefill_tiles, cpu_prefill_attention.EXTENSION)]
     return {ext.what: ext.load() is not None for on, ext in wanted if on}
 
 

@@ -18,6 +18,8 @@ Environment switches (read only by `from_env`):
                                      prepacked GEMMs' epilogues
     PDSERVE_CPU_DECODE_LAYERS=0      decode steps through the Python layers, not one C++
                                      call over all of them
+    PDSERVE_CPU_PREFILL_TILES=0      bf16 prefill rows through the decode kernel one row at
+                                     a time, not the tiled prefill kernel
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ FUSED_OPS_ENV = "PDSERVE_CPU_FUSED_OPS"
 PACKED_LINEAR_ENV = "PDSERVE_CPU_PACKED_LINEAR"
 EPILOGUE_SILU_MUL_ENV = "PDSERVE_CPU_EPILOGUE_SILU_MUL"
 DECODE_LAYERS_ENV = "PDSERVE_CPU_DECODE_LAYERS"
+PREFILL_TILES_ENV = "PDSERVE_CPU_PREFILL_TILES"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class KernelOptions:
     # decode-only forwards run every decoder layer in one C++ call when the pieces above
     # are all on (engine/layers/cpu_decode_layers.py): the same kernels, no Python between
     cpu_decode_layers: bool = True
+    # bf16 prefill rows (head_dim 64) through the tiled AVX512-BF16 prefill kernel
+    # (engine/layers/cpu_prefill_attention.py) rather than one row at a time
+    cpu_prefill_tiles: bool = True
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -65,14 +71,15 @@ class KernelOptions:
                    cpu_fused_ops=env.get(FUSED_OPS_ENV, "1") != "0",
                    cpu_packed_linear=env.get(PACKED_LINEAR_ENV, "1") != "0",
                    cpu_epilogue_silu_mul=env.get(EPILOGUE_SILU_MUL_ENV, "1") != "0",
-                   cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0")
+                   cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0",
+                   cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:
         """No C++ kernel, SDPA decode: the path every non-CPU device takes."""
         return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False,
                    cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
-                   cpu_decode_layers=False)
+                   cpu_decode_layers=False, cpu_prefill_tiles=False)
 
     def for_device(self, device: torch.device | str) -> KernelOptions:
         """These options for a model on `device`: the C++ kernels are CPU-only, so
@@ -81,7 +88,7 @@ class KernelOptions:
             return self
         return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False,
                        cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
-                       cpu_decode_layers=False)
+                       cpu_decode_layers=False, cpu_prefill_tiles=False)
 
 
 DEFAULT_KERNELS = KernelOptions()

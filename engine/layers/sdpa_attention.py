@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import write_slots
-from engine.layers import cpu_fused_ops, cpu_paged_attention
+from engine.layers import cpu_fused_ops, cpu_paged_attention, cpu_prefill_attention
 from engine.layers.decode_plan import DecodeGroup, build_plan, verify_kv_lens
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 
@@ -48,6 +48,8 @@ class AttentionPlan:
     # prefill rows through the kernel: (block table per row, KV length per row), built by
     # the first layer that needs them and reused by the others
     prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # prefill rows through the tile kernel: (block tables, query starts, context lengths)
+    prefill_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class SdpaAttention:
@@ -61,6 +63,11 @@ class SdpaAttention:
         self.grouped_decode = kernels.cpu_grouped_decode
         self.fused_write = kernels.cpu_fused_ops and cpu_fused_ops.available()
         self.rowwise_prefill = kernels.batch_invariant
+        # bf16 prefill rows through the tile kernel (not in batch-invariant mode: its bits
+        # are not the decode kernel's); shapes checked per call (`usable`)
+        self.prefill_tiles = (kernels.cpu_prefill_tiles and self.use_cpu_kernel
+                              and not kernels.batch_invariant
+                              and cpu_prefill_attention.EXTENSION.load() is not None)
         if self.rowwise_prefill and not self.use_cpu_kernel:
             raise RuntimeError(
                 "batch_invariant needs the CPU paged attention kernel (a CPU device, the "
@@ -166,6 +173,11 @@ class SdpaAttention:
         meta = plan.meta
         if self.rowwise_prefill and k_cache.dtype in KERNEL_DTYPES:
             return self._prefill_rowwise(q, k_cache, v_cache, plan, out)
+        if (self.prefill_tiles and k_cache.device.type == "cpu"
+                and cpu_prefill_attention.usable(k_cache.dtype, k_cache.shape[3],
+                                                 q.shape[1] // k_cache.shape[0],
+                                                 k_cache.shape[2])):
+            return self._prefill_tiles(q, k_cache, v_cache, plan, out)
         if (self.use_cpu_kernel and k_cache.device.type == "cpu"
                 and cpu_paged_attention.fast_bf16_rows(k_cache.dtype, k_cache.shape[3],
                                                        q.shape[1] // k_cache.shape[0])):
@@ -195,6 +207,25 @@ class SdpaAttention:
                                                    scale=self.scale, enable_gqa=True)
             out[tok:tok + n] = o[0].transpose(0, 1)
             tok += n
+
+    def _prefill_tiles(self, q, k_cache, v_cache, plan: AttentionPlan, out) -> None:
+        """Prefill rows through engine/layers/cpu_prefill_attention.py (their K/V are in
+        the cache already): tiles of rows of one sequence share every K and V load."""
+        meta = plan.meta
+        first, tok0 = meta.num_decodes, meta.num_decode_tokens
+        if plan.prefill_tiles is None:       # once per forward, not once per layer
+            seqs = range(first, first + meta.num_prefills)
+            starts = [0]
+            for i in seqs:
+                starts.append(starts[-1] + meta.query_lens_host[i])
+            plan.prefill_tiles = (
+                meta.block_tables[first:first + meta.num_prefills].contiguous(),
+                torch.tensor(starts, dtype=torch.long),
+                torch.tensor([meta.context_lens_host[i] for i in seqs], dtype=torch.int32))
+        tables, starts, ctx = plan.prefill_tiles
+        n = int(starts[-1])
+        out[tok0:tok0 + n] = cpu_prefill_attention.prefill_attention(
+            q[tok0:tok0 + n], k_cache, v_cache, tables, starts, ctx, self.scale)
 
     def _prefill_rowwise(self, q, k_cache, v_cache, plan: AttentionPlan, out) -> None:
         """Prefill rows through the paged kernel: each new token is a decode row of KV

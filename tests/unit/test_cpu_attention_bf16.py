@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.forward_input import AttentionMetadata
-from engine.layers import cpu_paged_attention
+from engine.layers import cpu_paged_attention, cpu_prefill_attention
+from engine.layers.kernel_options import KernelOptions
 from engine.layers.sdpa_attention import SdpaAttention, verify_kv_lens
 from tests.unit.test_spec_graph import _paged_case, _reference
 
@@ -53,10 +54,12 @@ def _prefill_meta(ctx_lens: list[int], new_lens: list[int], bs: int, width: int)
 
 
 @pytest.mark.parametrize("groups", [1, 3])
-def test_bf16_prefill_through_the_kernel_matches_sdpa(groups, monkeypatch):
-    """In bf16 with head_dim 64 (where the kernel has its AVX512-BF16 path) prefill rows go
-    through the kernel one row at a time; the result is SDPA's within bf16 rounding, with
-    a cached prefix too."""
+@pytest.mark.parametrize("path", ["tiles", "rows"])
+def test_bf16_prefill_through_the_kernels_matches_sdpa(groups, path, monkeypatch):
+    """In bf16 with head_dim 64 (where the kernels have their AVX512-BF16 paths) prefill
+    rows go through the tiled prefill kernel, or with it switched off through the decode
+    kernel one row at a time; either result is SDPA's within bf16 rounding, with a cached
+    prefix too."""
     hk, d, bs, width = 2, 64, 16, 8
     g = torch.Generator().manual_seed(groups)
     ctx, new = [0, 21], [37, 50]
@@ -65,19 +68,23 @@ def test_bf16_prefill_through_the_kernel_matches_sdpa(groups, monkeypatch):
     q = torch.randn(t, hk * groups, d, generator=g).bfloat16()
     k = torch.randn(t, hk, d, generator=g).bfloat16()
     v = torch.randn(t, hk, d, generator=g).bfloat16()
-    fast_here = cpu_paged_attention.fast_bf16_rows(torch.bfloat16, d, groups)
+    if path == "tiles":
+        module, fn, options = cpu_prefill_attention, "prefill_attention", KernelOptions()
+        fast_here = cpu_prefill_attention.usable(torch.bfloat16, d, groups, bs)
+    else:
+        module, fn = cpu_paged_attention, "paged_decode_attention"
+        options = KernelOptions(cpu_prefill_tiles=False)
+        fast_here = cpu_paged_attention.fast_bf16_rows(torch.bfloat16, d, groups)
     outs = {}
-    for name, fast in (("kernel", None), ("sdpa", False)):
+    for name, kernels in (("kernel", options), ("sdpa", KernelOptions.torch_only())):
         cache = torch.randn(2, hk, 1 + 2 * width, bs, d, generator=torch.Generator()
                             .manual_seed(7)).bfloat16()       # the cached prefix: random
         calls = []
-        real = cpu_paged_attention.paged_decode_attention
-        monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention",
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn,
                             lambda *a, real=real, calls=calls: calls.append(1) or real(*a))
-        if fast is not None:
-            monkeypatch.setattr(cpu_paged_attention, "fast_bf16_rows", lambda *a, fast=fast: fast)
         with torch.inference_mode():
-            outs[name] = SdpaAttention(0.125)(q, k, v, cache[0], cache[1], meta)
+            outs[name] = SdpaAttention(0.125, kernels)(q, k, v, cache[0], cache[1], meta)
         monkeypatch.undo()
         # without AVX512-BF16 (an AVX2 CPU) prefill stays on SDPA
         assert bool(calls) == (name == "kernel" and fast_here)
