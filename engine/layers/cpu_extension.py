@@ -211,8 +211,12 @@ def preload(options) -> dict[str, bool]:
     )
     wanted = [(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
               (options.cpu_fused_ops, cpu_fused_ops.EXTENSION),
-              (options.cpu_decode_layers, cpu_decode_layers.EXTENSION),
-              (options.cpu_prefill_tiles, cpu_prefill_attention.EXTENSION)]
+              # both call into the kernels above: off with them (as the model decides)
+              (options.cpu_decode_layers and options.cpu_fused_ops
+               and options.cpu_attention_kernel and options.cpu_packed_linear,
+               cpu_decode_layers.EXTENSION),
+              (options.cpu_prefill_tiles and options.cpu_attention_kernel,
+               cpu_prefill_attention.EXTENSION)]
     return {ext.what: ext.load() is not None for on, ext in wanted if on}
 
 

@@ -128,8 +128,11 @@ class DecoderForCausalLM(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         # decode-only forwards in one C++ call (engine/layers/cpu_decode_layers.py): set up
         # at the first decode forward (the linears are packed after construction)
+        # (it calls the fused ops and the paged kernel: never built when those are off)
         self._decode_layers: DecodeLayers | None | bool = (
-            kernels.cpu_decode_layers and cpu_decode_layers.available())
+            kernels.cpu_decode_layers and kernels.cpu_fused_ops
+            and kernels.cpu_attention_kernel and kernels.cpu_packed_linear
+            and cpu_decode_layers.available())
 
     def set_aux_layers(self, layers: tuple[int, ...] | list[int]) -> None:
         """Also return the residual stream after each of these layers (ascending), after
