@@ -233,6 +233,6 @@ class DecodeLayers:
         """[x, residual, the stream after each aux layer...], as the layers' loop."""
         meta = plan.meta
         return cpu_decode_layers.decode_layers(
-            x, self.weights, list(kv_cache.k), list(kv_cache.v), positions, self.rotary.cos,
+            x, self.weights, kv_cache.k, kv_cache.v, positions, self.rotary.cos,
             self.rotary.sin_signed, meta.slot_mapping, meta.block_tables, plan.kv_lens,
             self.table, [plan.rows, *self.dims], self.eps, self.scale, aux_layers)
