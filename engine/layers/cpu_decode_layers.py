@@ -16,19 +16,22 @@ dominate. Used by DecoderForCausalLM when its KernelOptions turn `cpu_decode_lay
 and every piece is there (engine/models/decoder.py `DecoderForCausalLM.decode_layers`);
 PDSERVE_CPU_DECODE_LAYERS=0 switches it off.
 
-Per layer, `weights` holds nine tensors: input norm weight, packed qkv, qkv bias (an empty
+Per layer, `weights` holds 13 tensors: input norm weight, packed qkv, qkv bias (an empty
 tensor when none), packed o_proj, post-attention norm weight, packed gate half, packed up
-half (both empty when the MLP's epilogue path is off), packed gate/up, packed down.
+half (both empty when the MLP's epilogue path is off), packed gate/up, packed down, then
+the small-batch GEMM's copies (engine/layers/cpu_small_gemm.py) of qkv, o_proj, gate/up
+and down (empty when the model has none). Up to `small_rows` rows a linear with a copy
+runs on it, as Linear.forward does, and the MLP then takes gate/up whole (no epilogue).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.layers import cpu_fused_ops, cpu_paged_attention
+from engine.layers import cpu_fused_ops, cpu_paged_attention, cpu_small_gemm
 from engine.layers.cpu_extension import CpuExtension
 
-TENSORS_PER_LAYER = 9
+TENSORS_PER_LAYER = 13
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -44,6 +47,7 @@ using NormFn = std::vector<at::Tensor> (*)(at::Tensor, c10::optional<at::Tensor>
                                            double);
 using AttnFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                               int64_t, double);
+using SmallFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor);
 
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&,
                              const std::optional<at::Tensor>&, c10::string_view,
@@ -79,19 +83,29 @@ std::vector<at::Tensor> decode_layers(
     std::vector<at::Tensor> v_caches, at::Tensor positions, at::Tensor cos, at::Tensor sin,
     at::Tensor slots, at::Tensor block_tables, at::Tensor kv_lens, std::vector<int64_t> table,
     std::vector<int64_t> dims, double eps, double scale, std::vector<int64_t> aux) {
-  TORCH_CHECK(table.size() == 4, "decode_layers: the kernel table has 4 entries");
-  TORCH_CHECK(dims.size() == 6, "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows");
+  TORCH_CHECK(table.size() == 5, "decode_layers: the kernel table has 5 entries");
+  TORCH_CHECK(dims.size() == 7,
+              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, small_rows");
   const auto rope = reinterpret_cast<RopeFn>(table[0]);
   const auto write_kv = reinterpret_cast<WriteFn>(table[1]);
   const auto norm = reinterpret_cast<NormFn>(table[2]);
   const auto attn = reinterpret_cast<AttnFn>(table[3]);
+  const auto small_gemm = reinterpret_cast<SmallFn>(table[4]);
   const int64_t rows = dims[0], Hq = dims[1], Hk = dims[2], D = dims[3], inter = dims[4];
-  const int64_t silu_rows = dims[5];
+  const int64_t silu_rows = dims[5], small_rows = dims[6];
   const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 9 * L &&
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 13 * L &&
               static_cast<int64_t>(v_caches.size()) == L,
-              "decode_layers: 9 weight tensors and one K and V cache per layer");
+              "decode_layers: 13 weight tensors and one K and V cache per layer");
   const int64_t t = x.size(0);
+  const bool small = t <= small_rows;
+  const at::Tensor none = at::empty({0}, x.options());
+  // Linear.forward: the small-batch GEMM when the layer has its copy and takes the rows
+  auto lin = [&](const at::Tensor& in, const at::Tensor& packed, const at::Tensor& copy,
+                 const at::Tensor& bias) {
+    return small && copy.numel() ? small_gemm(in, copy, bias)
+                                 : linear(in, packed, maybe(bias), "none");
+  };
   TORCH_CHECK(t % rows == 0 && block_tables.size(0) >= t / rows,
               "decode_layers: x must hold `rows` rows per sequence of the block tables");
   const at::Tensor tables = block_tables.slice(0, 0, t / rows);
@@ -99,29 +113,29 @@ std::vector<at::Tensor> decode_layers(
   c10::optional<at::Tensor> residual;
   size_t next_aux = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 9 * l;
+    const at::Tensor* w = weights.data() + 13 * l;
     auto hr = norm(x.contiguous(), residual ? c10::optional<at::Tensor>(residual->contiguous())
                                             : c10::nullopt, w[0], eps);
     residual = hr[1];
-    const at::Tensor qkv = linear(hr[0], w[1], maybe(w[2]), "none");
+    const at::Tensor qkv = lin(hr[0], w[1], w[9], w[2]);
     rope(qkv, positions, cos, sin, Hq + Hk, D);
     const at::Tensor qk = qkv.slice(1, 0, (Hq + Hk) * D).view({t, Hq + Hk, D});
     const at::Tensor q = qk.slice(1, 0, Hq), k = qk.slice(1, Hq, Hq + Hk);
     const at::Tensor v = qkv.slice(1, (Hq + Hk) * D).view({t, Hk, D});
     write_kv(k, v, k_caches[l], v_caches[l], slots);
     const at::Tensor o = attn(q, k_caches[l], v_caches[l], tables, kv_lens, rows, scale);
-    const at::Tensor a = linear(o.reshape({t, Hq * D}), w[3], std::nullopt, "none");
+    const at::Tensor a = lin(o.reshape({t, Hq * D}), w[3], w[10], none);
     hr = norm(a, residual->contiguous(), w[4], eps);
     residual = hr[1];
     const at::Tensor& h = hr[0];
     at::Tensor act;
-    if (w[5].numel() && t >= silu_rows) {
+    if (w[5].numel() && t >= silu_rows && !(small && w[11].numel())) {
       act = linear_mul(h, linear(h, w[5], std::nullopt, "swish"), w[6]);
     } else {
-      const at::Tensor gu = linear(h, w[7], std::nullopt, "none");
+      const at::Tensor gu = lin(h, w[7], w[11], none);
       act = at::silu(gu.slice(1, 0, inter)) * gu.slice(1, inter);
     }
-    x = linear(act, w[8], std::nullopt, "none");
+    x = lin(act, w[8], w[12], none);
     if (next_aux < aux.size() && aux[next_aux] == l) {
       out.push_back(x + *residual);
       ++next_aux;
@@ -133,7 +147,7 @@ std::vector<at::Tensor> decode_layers(
 }
 """
 
-EXTENSION = CpuExtension("pdserve_cpu_decode_layers_v1", _SOURCE, ["decode_layers"],
+EXTENSION = CpuExtension("pdserve_cpu_decode_layers_v2", _SOURCE, ["decode_layers"],
                          ["-fno-math-errno"], "CPU decode layers")
 
 
@@ -143,11 +157,13 @@ def available() -> bool:
             and cpu_paged_attention.kernel() is not None)
 
 
-def kernel_table() -> list[int]:
-    """rope_, write_kv, add_rms_norm, paged_decode_attention: their compiled code's
-    addresses, from the extensions the Python layers call."""
+def kernel_table(small_gemm: bool) -> list[int]:
+    """rope_, write_kv, add_rms_norm, paged_decode_attention and (with `small_gemm`, for a
+    model whose linears have its copies; 0 otherwise) the small-batch GEMM: their compiled
+    code's addresses, from the extensions the Python layers call."""
     return (list(cpu_fused_ops.EXTENSION.load().kernel_table())
-            + list(cpu_paged_attention.kernel().kernel_table()))
+            + list(cpu_paged_attention.kernel().kernel_table())
+            + (cpu_small_gemm.kernel_table() if small_gemm else [0]))
 
 
 def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], k_caches: list[torch.Tensor],
@@ -156,7 +172,8 @@ def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], k_caches: list[t
                   kv_lens: torch.Tensor, table: list[int], dims: list[int], eps: float,
                   scale: float, aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """[x, residual, aux streams...] after every layer; `dims` = [rows, Hq, Hkv, head_dim,
-    intermediate, rows from which the MLP takes the GEMM epilogues]."""
+    intermediate, rows from which the MLP takes the GEMM epilogues, the most rows the
+    small-batch GEMM takes (0: none)]."""
     return EXTENSION.load().decode_layers(x, weights, k_caches, v_caches, positions, cos, sin,
                                           slot_mapping, block_tables, kv_lens, table, dims,
                                           eps, scale, list(aux_layers))

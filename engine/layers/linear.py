@@ -21,6 +21,10 @@
   tensor. Used from FUSED_SILU_MUL_ROWS rows on (below it the one fused GEMM's call is
   cheaper than two).
 
+- bfloat16 on CPU over 1-64 rows (decode steps), with `pack_linears(small_gemm=True)`: a
+  second packed copy streamed by engine/layers/cpu_small_gemm.py, which beats oneDNN's
+  kernels there when the weights come from DRAM (a decode step's case).
+
 Same parameters and state_dict keys as nn.Linear (a packed layer whose dense weight was
 released keeps an empty `weight`).
 """
@@ -32,6 +36,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers import cpu_small_gemm
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +63,18 @@ class Linear(nn.Linear):
     # after `pack_linears` the two halves prepacked on their own
     split_rows: int | None = None
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the weight in engine/layers/cpu_small_gemm.py's layout (`pack_linears`), or None
+    small_packed: torch.Tensor | None = None
+
+    def takes_small_gemm(self, x: torch.Tensor) -> bool:
+        """Whether a call over `x` runs the small-batch GEMM (1-64 bf16 rows)."""
+        small = self.small_packed
+        return (small is not None and cpu_small_gemm.serves(x, small)
+                and not torch.is_grad_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_small_gemm(x):
+            return cpu_small_gemm.gemm(x, self.small_packed, self.bias)
         packed = self.packed
         if packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled():
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
@@ -98,12 +114,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = (), release: bool = True
-                 ) -> int:
+def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = (), release: bool = True,
+                 small_gemm: bool = False) -> int:
     """Prepack every Linear of `model` for oneDNN and (with `release`) free its dense
     weight, except under the module names in `keep_dense` (a weight shared with another
-    module, such as a head tied to the embedding, or one read directly). Returns the
-    number of layers packed."""
+    module, such as a head tied to the embedding, or one read directly). With
+    `small_gemm`, the Linears outside `keep_dense` whose shapes it takes also get the
+    small-batch GEMM's copy (the caller checked `cpu_small_gemm.available()`). Returns
+    the number of layers packed."""
     count = 0
     for name, m in model.named_modules():
         if not isinstance(m, Linear) or m.batch_invariant:
@@ -116,6 +134,8 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = (), release: bo
                 for h in (w[:m.split_rows], w[m.split_rows:]))
         count += 1
         kept = name in keep_dense or name.endswith(tuple("." + k for k in keep_dense))
+        if small_gemm and not kept and cpu_small_gemm.packable(w):
+            m.small_packed = cpu_small_gemm.pack(w)
         if release and not kept:
             m.weight.data = m.weight.data.new_empty(0)
     log.debug("prepacked %d linear layers for oneDNN", count)

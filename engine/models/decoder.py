@@ -24,6 +24,7 @@ from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.layers import cpu_decode_layers
 from engine.layers.attention import get_attention_backend
+from engine.layers.cpu_small_gemm import SMALL_GEMM_ROWS
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, silu_mul_packed
 from engine.layers.norm import RMSNorm
@@ -80,7 +81,8 @@ class MLP(nn.Module):
     def forward(self, x):
         halves = self.gate_up_proj.packed_halves
         if (halves is not None and x.dim() == 2 and x.shape[0] >= FUSED_SILU_MUL_ROWS
-                and x.dtype == halves[0].dtype and not torch.is_grad_enabled()):
+                and x.dtype == halves[0].dtype and not torch.is_grad_enabled()
+                and not self.gate_up_proj.takes_small_gemm(x)):
             return self.down_proj(silu_mul_packed(x, *halves))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -192,15 +194,20 @@ class DecodeLayers:
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             halves = mlp.gate_up_proj.packed_halves or (empty, empty)
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self.weights += [layer.input_layernorm.weight, a.qkv_proj.packed,
                              empty if a.qkv_proj.bias is None else a.qkv_proj.bias,
                              a.o_proj.packed, layer.post_attention_layernorm.weight, *halves,
-                             mlp.gate_up_proj.packed, mlp.down_proj.packed]
+                             mlp.gate_up_proj.packed, mlp.down_proj.packed,
+                             *(empty if m.small_packed is None else m.small_packed
+                               for m in linears)]
+        small = any(w.numel() for w in self.weights[9::13] + self.weights[10::13]
+                    + self.weights[11::13] + self.weights[12::13])
         self.rotary = model.rotary
         self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.intermediate_size,
-                     FUSED_SILU_MUL_ROWS]
+                     FUSED_SILU_MUL_ROWS, SMALL_GEMM_ROWS if small else 0]
         self.eps, self.scale = cfg.rms_norm_eps, model.attention.scale
-        self.table = cpu_decode_layers.kernel_table()
+        self.table = cpu_decode_layers.kernel_table(small)
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> DecodeLayers | None:
