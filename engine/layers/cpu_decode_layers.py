@@ -20,8 +20,8 @@ Per layer, `weights` holds 13 tensors: input norm weight, packed qkv, qkv bias (
 tensor when none), packed o_proj, post-attention norm weight, packed gate half, packed up
 half (both empty when the MLP's epilogue path is off), packed gate/up, packed down, then
 the small-batch GEMM's copies (engine/layers/cpu_small_gemm.py) of qkv, o_proj, gate/up
-and down (empty when the model has none). Up to `small_rows` rows a linear with a copy
-runs on it, as Linear.forward does, and the MLP then takes gate/up whole (no epilogue).
+(its silu(gate) * up layout) and down (empty when the model has none). Up to
+`small_rows` rows a linear with a copy runs on it, as Linear.forward and the MLP do.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ using NormFn = std::vector<at::Tensor> (*)(at::Tensor, c10::optional<at::Tensor>
 using AttnFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                               int64_t, double);
 using SmallFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor);
+using SiluMulFn = at::Tensor (*)(at::Tensor, at::Tensor);
 
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&,
                              const std::optional<at::Tensor>&, c10::string_view,
@@ -83,7 +84,7 @@ std::vector<at::Tensor> decode_layers(
     std::vector<at::Tensor> v_caches, at::Tensor positions, at::Tensor cos, at::Tensor sin,
     at::Tensor slots, at::Tensor block_tables, at::Tensor kv_lens, std::vector<int64_t> table,
     std::vector<int64_t> dims, double eps, double scale, std::vector<int64_t> aux) {
-  TORCH_CHECK(table.size() == 5, "decode_layers: the kernel table has 5 entries");
+  TORCH_CHECK(table.size() == 6, "decode_layers: the kernel table has 6 entries");
   TORCH_CHECK(dims.size() == 7,
               "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, small_rows");
   const auto rope = reinterpret_cast<RopeFn>(table[0]);
@@ -91,6 +92,7 @@ std::vector<at::Tensor> decode_layers(
   const auto norm = reinterpret_cast<NormFn>(table[2]);
   const auto attn = reinterpret_cast<AttnFn>(table[3]);
   const auto small_gemm = reinterpret_cast<SmallFn>(table[4]);
+  const auto small_silu_mul = reinterpret_cast<SiluMulFn>(table[5]);
   const int64_t rows = dims[0], Hq = dims[1], Hk = dims[2], D = dims[3], inter = dims[4];
   const int64_t silu_rows = dims[5], small_rows = dims[6];
   const int64_t L = static_cast<int64_t>(k_caches.size());
@@ -129,10 +131,12 @@ std::vector<at::Tensor> decode_layers(
     residual = hr[1];
     const at::Tensor& h = hr[0];
     at::Tensor act;
-    if (w[5].numel() && t >= silu_rows && !(small && w[11].numel())) {
+    if (small && w[11].numel()) {
+      act = small_silu_mul(h, w[11]);
+    } else if (w[5].numel() && t >= silu_rows) {
       act = linear_mul(h, linear(h, w[5], std::nullopt, "swish"), w[6]);
     } else {
-      const at::Tensor gu = lin(h, w[7], w[11], none);
+      const at::Tensor gu = linear(h, w[7], std::nullopt, "none");
       act = at::silu(gu.slice(1, 0, inter)) * gu.slice(1, inter);
     }
     x = lin(act, w[8], w[12], none);
@@ -147,7 +151,7 @@ std::vector<at::Tensor> decode_layers(
 }
 """
 
-EXTENSION = CpuExtension("pdserve_cpu_decode_layers_v2", _SOURCE, ["decode_layers"],
+EXTENSION = CpuExtension("pdserve_cpu_decode_layers_v3", _SOURCE, ["decode_layers"],
                          ["-fno-math-errno"], "CPU decode layers")
 
 
@@ -159,11 +163,12 @@ def available() -> bool:
 
 def kernel_table(small_gemm: bool) -> list[int]:
     """rope_, write_kv, add_rms_norm, paged_decode_attention and (with `small_gemm`, for a
-    model whose linears have its copies; 0 otherwise) the small-batch GEMM: their compiled
-    code's addresses, from the extensions the Python layers call."""
+    model whose linears have its copies; 0s otherwise) the small-batch GEMM and its
+    silu(gate) * up form: their compiled code's addresses, from the extensions the
+    Python layers call."""
     return (list(cpu_fused_ops.EXTENSION.load().kernel_table())
             + list(cpu_paged_attention.kernel().kernel_table())
-            + (cpu_small_gemm.kernel_table() if small_gemm else [0]))
+            + (cpu_small_gemm.kernel_table() if small_gemm else [0, 0]))
 
 
 def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], k_caches: list[torch.Tensor],

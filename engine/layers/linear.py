@@ -63,13 +63,21 @@ class Linear(nn.Linear):
     # after `pack_linears` the two halves prepacked on their own
     split_rows: int | None = None
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the weight in engine/layers/cpu_small_gemm.py's layout (`pack_linears`), or None
+    # the weight in engine/layers/cpu_small_gemm.py's layout (`pack_linears`), or None;
+    # a fused gate/up projection gets its silu(gate) * up layout instead, `small_silu_mul`
     small_packed: torch.Tensor | None = None
+    small_silu_mul: torch.Tensor | None = None
 
     def takes_small_gemm(self, x: torch.Tensor) -> bool:
         """Whether a call over `x` runs the small-batch GEMM (1-64 bf16 rows)."""
         small = self.small_packed
         return (small is not None and cpu_small_gemm.serves(x, small)
+                and not torch.is_grad_enabled())
+
+    def takes_small_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether the MLP's silu(gate) * up over `x` runs on the small-batch GEMM."""
+        fused = self.small_silu_mul
+        return (fused is not None and cpu_small_gemm.serves(x, fused)
                 and not torch.is_grad_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +143,10 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = (), release: bo
         count += 1
         kept = name in keep_dense or name.endswith(tuple("." + k for k in keep_dense))
         if small_gemm and not kept and cpu_small_gemm.packable(w):
-            m.small_packed = cpu_small_gemm.pack(w)
+            if m.split_rows is not None and m.bias is None and 2 * m.split_rows == w.shape[0]:
+                m.small_silu_mul = cpu_small_gemm.pack_silu_mul(w)
+            else:
+                m.small_packed = cpu_small_gemm.pack(w)
         if release and not kept:
             m.weight.data = m.weight.data.new_empty(0)
     log.debug("prepacked %d linear layers for oneDNN", count)

@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
-from engine.layers import cpu_decode_layers
+from engine.layers import cpu_decode_layers, cpu_small_gemm
 from engine.layers.attention import get_attention_backend
 from engine.layers.cpu_small_gemm import SMALL_GEMM_ROWS
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
@@ -79,6 +79,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
+        if self.gate_up_proj.takes_small_silu_mul(x):       # decode-sized bf16 batches
+            return self.down_proj(cpu_small_gemm.gemm_silu_mul(x, self.gate_up_proj.small_silu_mul))
         halves = self.gate_up_proj.packed_halves
         if (halves is not None and x.dim() == 2 and x.shape[0] >= FUSED_SILU_MUL_ROWS
                 and x.dtype == halves[0].dtype and not torch.is_grad_enabled()
@@ -194,13 +196,14 @@ class DecodeLayers:
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             halves = mlp.gate_up_proj.packed_halves or (empty, empty)
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self.weights += [layer.input_layernorm.weight, a.qkv_proj.packed,
                              empty if a.qkv_proj.bias is None else a.qkv_proj.bias,
                              a.o_proj.packed, layer.post_attention_layernorm.weight, *halves,
                              mlp.gate_up_proj.packed, mlp.down_proj.packed,
-                             *(empty if m.small_packed is None else m.small_packed
-                               for m in linears)]
+                             *(empty if m is None else m
+                               for m in (a.qkv_proj.small_packed, a.o_proj.small_packed,
+                                         mlp.gate_up_proj.small_silu_mul,
+                                         mlp.down_proj.small_packed))]
         small = any(w.numel() for w in self.weights[9::13] + self.weights[10::13]
                     + self.weights[11::13] + self.weights[12::13])
         self.rotary = model.rotary

@@ -1,8 +1,9 @@
 """The small-batch bf16 GEMM (engine/layers/cpu_small_gemm.py) against an explicit float32
 reference that sums in the kernel's order (k-pairs in turn, each pair's odd then even
-product: VDPBF16PS), so the comparison is bit for bit; rows do not depend on their batch;
-and Linear routes 1-64 bf16 rows to it only when `pack_linears(small_gemm=True)` gave
-the layer a copy."""
+product: VDPBF16PS), so the comparison is bit for bit; its silu(gate) * up form within
+one bf16 rounding step of the exact value on those sums; rows do not depend on their
+batch; and Linear and the MLP route 1-64 bf16 rows to it only when
+`pack_linears(small_gemm=True)` gave the layer a copy."""
 
 from __future__ import annotations
 
@@ -48,6 +49,57 @@ def test_equals_the_ordered_float32_sum(n, k, bias):
         assert torch.equal(got, _reference(x, w, b)), f"{m} rows of [{n}, {k}]"
 
 
+def _sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(x.shape[1] // 2):
+        acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
+        acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+    return acc
+
+
+def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> bool:
+    """got (bf16) is exact (float64) rounded down or up: at most one bf16 step away; below
+    float32's normal range (2^-126, where the kernel's float32 math flushes to zero) any
+    value in it passes."""
+    lo = exact.to(torch.bfloat16).double()
+    step = (lo.abs() * 2.0 ** -7).clamp_min(2.0 ** -126)
+    return bool(((got.double() - exact).abs() <= step).all())
+
+
+@pytest.mark.parametrize("inter,k", [(16, 64), (48, 96), (1536, 576)])
+def test_silu_mul_form_on_the_same_sums(inter, k):
+    g = torch.Generator().manual_seed(inter + k)
+    w = torch.randn(2 * inter, k, generator=g).bfloat16()
+    packed = cpu_small_gemm.pack_silu_mul(w)
+    assert packed.shape == (inter // 16, k // 2, 32, 2)
+    for m in (1, 5, 8, 19, SMALL_GEMM_ROWS):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        got = cpu_small_gemm.gemm_silu_mul(x, packed)
+        sums = _sums(x, w).double()
+        gate, up = sums[:, :inter], sums[:, inter:]
+        exact = gate * torch.sigmoid(gate) * up
+        assert got.shape == (m, inter) and _within_one_rounding(got, exact), f"{m} rows"
+        # most land on the correctly rounded value itself
+        assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
+
+
+def test_silu_mul_edges():
+    """Gate values set exactly (K = 2, one-hot weights): 0, huge of both signs, NaN."""
+    inter = 16
+    w = torch.zeros(2 * inter, 2)
+    w[:inter, 0] = 1.0                  # gate column j = x[:, 0]
+    w[inter:, 1] = 1.0                  # up column j = x[:, 1]
+    packed = cpu_small_gemm.pack_silu_mul(w.bfloat16())
+    gates = [0.0, 1.0, -1.0, 80.0, -80.0, 1e30, -1e30, float("nan")]
+    x = torch.tensor([[v, 2.0] for v in gates]).bfloat16()
+    got = cpu_small_gemm.gemm_silu_mul(x, packed)[:, 0].float()
+    gb = x[:, 0].double()
+    want = (gb * torch.sigmoid(gb) * 2.0).to(torch.bfloat16).float()
+    assert torch.equal(got[:7], want[:7]), (got, want)
+    assert got[-1].isnan()
+
+
 def test_rows_do_not_depend_on_their_batch_and_may_be_strided():
     g = torch.Generator().manual_seed(7)
     w = torch.randn(128, 96, generator=g).bfloat16()
@@ -79,6 +131,23 @@ def test_what_it_takes_and_clear_errors():
         cpu_small_gemm.gemm(ok, w)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_small_gemm.pack(torch.randn(48, 32).bfloat16())
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bf16 here")
+def test_mlp_gate_up_gets_the_silu_mul_form():
+    torch.manual_seed(4)
+    gate_up = Linear(64, 2 * 32, bias=False).bfloat16()
+    gate_up.split_rows = 32
+    w = gate_up.weight.detach().clone()
+    pack_linears(torch.nn.ModuleDict({"gate_up": gate_up}), small_gemm=True)
+    assert gate_up.small_silu_mul is not None and gate_up.small_packed is None
+    x = torch.randn(6, 64).bfloat16()
+    with torch.no_grad():
+        assert gate_up.takes_small_silu_mul(x)
+        assert not gate_up.takes_small_silu_mul(torch.randn(SMALL_GEMM_ROWS + 1, 64).bfloat16())
+        sums = _sums(x, w).double()
+        got = cpu_small_gemm.gemm_silu_mul(x, gate_up.small_silu_mul)
+    assert _within_one_rounding(got, sums[:, :32] * torch.sigmoid(sums[:, :32]) * sums[:, 32:])
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="no oneDNN bf16 here")
