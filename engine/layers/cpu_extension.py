@@ -194,9 +194,10 @@ def all_extensions() -> list[CpuExtension]:
         cpu_fused_ops,
         cpu_paged_attention,
         cpu_prefill_attention,
+        cpu_small_gemm,
     )
     return [cpu_paged_attention.EXTENSION, cpu_fused_ops.EXTENSION, cpu_decode_layers.EXTENSION,
-            cpu_prefill_attention.EXTENSION]
+            cpu_prefill_attention.EXTENSION, cpu_small_gemm.EXTENSION]
 
 
 def preload(options) -> dict[str, bool]:
@@ -208,6 +209,7 @@ def preload(options) -> dict[str, bool]:
         cpu_fused_ops,
         cpu_paged_attention,
         cpu_prefill_attention,
+        cpu_small_gemm,
     )
     wanted = [(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
               (options.cpu_fused_ops, cpu_fused_ops.EXTENSION),
@@ -216,7 +218,9 @@ def preload(options) -> dict[str, bool]:
                and options.cpu_attention_kernel and options.cpu_packed_linear,
                cpu_decode_layers.EXTENSION),
               (options.cpu_prefill_tiles and options.cpu_attention_kernel,
-               cpu_prefill_attention.EXTENSION)]
+               cpu_prefill_attention.EXTENSION),
+              # the loader packs for it only with packed linears (bf16, oneDNN's bf16)
+              (options.cpu_small_gemm and options.cpu_packed_linear, cpu_small_gemm.EXTENSION)]
     return {ext.what: ext.load() is not None for on, ext in wanted if on}
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine.layers import cpu_small_gemm
 from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear, can_pack, pack_linears
@@ -262,8 +263,11 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
     if prefix + DRAFT_VOCAB_KEY in handles:
         mtp.set_draft_vocab(handles[prefix + DRAFT_VOCAB_KEY].get_tensor(
             prefix + DRAFT_VOCAB_KEY))
-    if target_model.kernels.cpu_packed_linear and can_pack(dtype, device):
-        # one layer: its dense weights are kept (hf_state_dict reads them)
-        pack_linears(mtp, release=False)
+    kernels = target_model.kernels
+    if kernels.cpu_packed_linear and can_pack(dtype, device):
+        # one layer: its dense weights are kept (hf_state_dict reads them); every draft
+        # call is decode-sized, so the small-batch GEMM's copies too
+        pack_linears(mtp, release=False,
+                     small_gemm=kernels.cpu_small_gemm and cpu_small_gemm.available())
     return mtp.eval()
 

@@ -90,6 +90,9 @@ def test_mtp_verify_rows_equal_the_python_layers(root):
     folder = with_mtp(base, root / "llama-mtp")
     llm = LLM(folder, dtype="bfloat16", block_size=4, speculative_method="mtp",
               num_speculative_tokens=2)
+    # the draft's calls are all decode-sized: its linears have the small-batch GEMM's copies
+    draft = llm.engine.speculative.draft
+    assert any(isinstance(m, Linear) and m.small_silu_mul is not None for m in draft.modules())
     served = _both_paths(llm.engine.worker.model)
     _generate(llm, 6, seed=1)
     assert any(rows == 3 for _, rows in served), served
