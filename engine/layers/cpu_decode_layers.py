@@ -19,16 +19,16 @@ PDSERVE_CPU_DECODE_LAYERS=0 switches it off.
 Per layer, `weights` holds 13 tensors: input norm weight, packed qkv, qkv bias (an empty
 tensor when none), packed o_proj, post-attention norm weight, packed gate half, packed up
 half (both empty when the MLP's epilogue path is off), packed gate/up, packed down, then
-the small-batch GEMM's copies (engine/layers/cpu_small_gemm.py) of qkv, o_proj, gate/up
-(its silu(gate) * up layout) and down (empty when the model has none). Up to
-`small_rows` rows a linear with a copy runs on it, as Linear.forward and the MLP do.
+the copies engine/layers/cpu_bf16_gemm.py streams of qkv, o_proj, gate/up (its
+silu(gate) * up layout) and down (empty when the model has none). A linear with a copy
+runs on it, as Linear.forward and the MLP do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.layers import cpu_fused_ops, cpu_paged_attention, cpu_small_gemm
+from engine.layers import cpu_bf16_gemm, cpu_fused_ops, cpu_paged_attention
 from engine.layers.cpu_extension import CpuExtension
 
 TENSORS_PER_LAYER = 13
@@ -47,7 +47,7 @@ using NormFn = std::vector<at::Tensor> (*)(at::Tensor, c10::optional<at::Tensor>
                                            double);
 using AttnFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                               int64_t, double);
-using SmallFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor);
+using GemmFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor);
 using SiluMulFn = at::Tensor (*)(at::Tensor, at::Tensor);
 
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&,
@@ -86,27 +86,27 @@ std::vector<at::Tensor> decode_layers(
     std::vector<int64_t> dims, double eps, double scale, std::vector<int64_t> aux) {
   TORCH_CHECK(table.size() == 6, "decode_layers: the kernel table has 6 entries");
   TORCH_CHECK(dims.size() == 7,
-              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, small_rows");
+              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, bf16_gemm");
   const auto rope = reinterpret_cast<RopeFn>(table[0]);
   const auto write_kv = reinterpret_cast<WriteFn>(table[1]);
   const auto norm = reinterpret_cast<NormFn>(table[2]);
   const auto attn = reinterpret_cast<AttnFn>(table[3]);
-  const auto small_gemm = reinterpret_cast<SmallFn>(table[4]);
-  const auto small_silu_mul = reinterpret_cast<SiluMulFn>(table[5]);
+  const auto bf16_gemm = reinterpret_cast<GemmFn>(table[4]);
+  const auto bf16_silu_mul = reinterpret_cast<SiluMulFn>(table[5]);
   const int64_t rows = dims[0], Hq = dims[1], Hk = dims[2], D = dims[3], inter = dims[4];
-  const int64_t silu_rows = dims[5], small_rows = dims[6];
+  const int64_t silu_rows = dims[5];
+  const bool copies = dims[6] != 0;
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 13 * L &&
               static_cast<int64_t>(v_caches.size()) == L,
               "decode_layers: 13 weight tensors and one K and V cache per layer");
   const int64_t t = x.size(0);
-  const bool small = t <= small_rows;
   const at::Tensor none = at::empty({0}, x.options());
-  // Linear.forward: the small-batch GEMM when the layer has its copy and takes the rows
+  // Linear.forward: cpu_bf16_gemm when the layer has its copy, oneDNN otherwise
   auto lin = [&](const at::Tensor& in, const at::Tensor& packed, const at::Tensor& copy,
                  const at::Tensor& bias) {
-    return small && copy.numel() ? small_gemm(in, copy, bias)
-                                 : linear(in, packed, maybe(bias), "none");
+    return copies && copy.numel() ? bf16_gemm(in, copy, bias)
+                                  : linear(in, packed, maybe(bias), "none");
   };
   TORCH_CHECK(t % rows == 0 && block_tables.size(0) >= t / rows,
               "decode_layers: x must hold `rows` rows per sequence of the block tables");
@@ -131,8 +131,8 @@ std::vector<at::Tensor> decode_layers(
     residual = hr[1];
     const at::Tensor& h = hr[0];
     at::Tensor act;
-    if (small && w[11].numel()) {
-      act = small_silu_mul(h, w[11]);
+    if (copies && w[11].numel()) {
+      act = bf16_silu_mul(h, w[11]);
     } else if (w[5].numel() && t >= silu_rows) {
       act = linear_mul(h, linear(h, w[5], std::nullopt, "swish"), w[6]);
     } else {
@@ -151,7 +151,7 @@ std::vector<at::Tensor> decode_layers(
 }
 """
 
-EXTENSION = CpuExtension("pdserve_cpu_decode_layers_v3", _SOURCE, ["decode_layers"],
+EXTENSION = CpuExtension("pdserve_cpu_decode_layers_v4", _SOURCE, ["decode_layers"],
                          ["-fno-math-errno"], "CPU decode layers")
 
 
@@ -161,14 +161,14 @@ def available() -> bool:
             and cpu_paged_attention.kernel() is not None)
 
 
-def kernel_table(small_gemm: bool) -> list[int]:
-    """rope_, write_kv, add_rms_norm, paged_decode_attention and (with `small_gemm`, for a
-    model whose linears have its copies; 0s otherwise) the small-batch GEMM and its
+def kernel_table(bf16_gemm: bool) -> list[int]:
+    """rope_, write_kv, add_rms_norm, paged_decode_attention and (with `bf16_gemm`, for a
+    model whose linears have its copies; 0s otherwise) cpu_bf16_gemm's GEMM and its
     silu(gate) * up form: their compiled code's addresses, from the extensions the
     Python layers call."""
     return (list(cpu_fused_ops.EXTENSION.load().kernel_table())
             + list(cpu_paged_attention.kernel().kernel_table())
-            + (cpu_small_gemm.kernel_table() if small_gemm else [0, 0]))
+            + (cpu_bf16_gemm.kernel_table() if bf16_gemm else [0, 0]))
 
 
 def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], k_caches: list[torch.Tensor],
@@ -177,8 +177,8 @@ def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], k_caches: list[t
                   kv_lens: torch.Tensor, table: list[int], dims: list[int], eps: float,
                   scale: float, aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """[x, residual, aux streams...] after every layer; `dims` = [rows, Hq, Hkv, head_dim,
-    intermediate, rows from which the MLP takes the GEMM epilogues, the most rows the
-    small-batch GEMM takes (0: none)]."""
+    intermediate, rows from which the MLP takes the GEMM epilogues, whether the model
+    has cpu_bf16_gemm's copies (1) or not (0)]."""
     return EXTENSION.load().decode_layers(x, weights, k_caches, v_caches, positions, cos, sin,
                                           slot_mapping, block_tables, kv_lens, table, dims,
                                           eps, scale, list(aux_layers))

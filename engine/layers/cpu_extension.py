@@ -190,14 +190,14 @@ def _find_ninja() -> None:
 
 def all_extensions() -> list[CpuExtension]:
     from engine.layers import (
+        cpu_bf16_gemm,
         cpu_decode_layers,
         cpu_fused_ops,
         cpu_paged_attention,
         cpu_prefill_attention,
-        cpu_small_gemm,
     )
     return [cpu_paged_attention.EXTENSION, cpu_fused_ops.EXTENSION, cpu_decode_layers.EXTENSION,
-            cpu_prefill_attention.EXTENSION, cpu_small_gemm.EXTENSION]
+            cpu_prefill_attention.EXTENSION, cpu_bf16_gemm.EXTENSION]
 
 
 def preload(options) -> dict[str, bool]:
@@ -205,11 +205,11 @@ def preload(options) -> dict[str, bool]:
     turn on: what -> loaded. A process that calls this before serving never builds
     later (each extension loads once per process). May raise KernelBuildLockTimeout."""
     from engine.layers import (
+        cpu_bf16_gemm,
         cpu_decode_layers,
         cpu_fused_ops,
         cpu_paged_attention,
         cpu_prefill_attention,
-        cpu_small_gemm,
     )
     wanted = [(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
               (options.cpu_fused_ops, cpu_fused_ops.EXTENSION),
@@ -220,7 +220,7 @@ def preload(options) -> dict[str, bool]:
               (options.cpu_prefill_tiles and options.cpu_attention_kernel,
                cpu_prefill_attention.EXTENSION),
               # the loader packs for it only with packed linears (bf16, oneDNN's bf16)
-              (options.cpu_small_gemm and options.cpu_packed_linear, cpu_small_gemm.EXTENSION)]
+              (options.cpu_bf16_gemm and options.cpu_packed_linear, cpu_bf16_gemm.EXTENSION)]
     return {ext.what: ext.load() is not None for on, ext in wanted if on}
 
 

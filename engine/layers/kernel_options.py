@@ -20,8 +20,8 @@ Environment switches (read only by `from_env`):
                                      call over all of them
     PDSERVE_CPU_PREFILL_TILES=0      bf16 prefill rows through the decode kernel one row at
                                      a time, not the tiled prefill kernel
-    PDSERVE_CPU_SMALL_GEMM=0         bf16 linears over 1-64 rows through oneDNN, not the
-                                     weight-streaming small-batch GEMM
+    PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
+                                     GEMM of engine/layers/cpu_bf16_gemm.py
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ PACKED_LINEAR_ENV = "PDSERVE_CPU_PACKED_LINEAR"
 EPILOGUE_SILU_MUL_ENV = "PDSERVE_CPU_EPILOGUE_SILU_MUL"
 DECODE_LAYERS_ENV = "PDSERVE_CPU_DECODE_LAYERS"
 PREFILL_TILES_ENV = "PDSERVE_CPU_PREFILL_TILES"
-SMALL_GEMM_ENV = "PDSERVE_CPU_SMALL_GEMM"
+BF16_GEMM_ENV = "PDSERVE_CPU_BF16_GEMM"
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,9 @@ class KernelOptions:
     # bf16 prefill rows (head_dim 64) through the tiled AVX512-BF16 prefill kernel
     # (engine/layers/cpu_prefill_attention.py) rather than one row at a time
     cpu_prefill_tiles: bool = True
-    # packed bf16 linears over 1-64 rows (decode steps) through the weight-streaming GEMM
-    # of engine/layers/cpu_small_gemm.py (AVX512-BF16), which keeps its own packed copy
-    cpu_small_gemm: bool = True
+    # packed bf16 linears through the weight-streaming GEMM of
+    # engine/layers/cpu_bf16_gemm.py (AVX512-BF16), which keeps its own packed copy
+    cpu_bf16_gemm: bool = True
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -79,14 +79,14 @@ class KernelOptions:
                    cpu_epilogue_silu_mul=env.get(EPILOGUE_SILU_MUL_ENV, "1") != "0",
                    cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0",
                    cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0",
-                   cpu_small_gemm=env.get(SMALL_GEMM_ENV, "1") != "0")
+                   cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:
         """No C++ kernel, SDPA decode: the path every non-CPU device takes."""
         return cls(cpu_attention_kernel=False, cpu_fused_ops=False, cpu_grouped_decode=False,
                    cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
-                   cpu_decode_layers=False, cpu_prefill_tiles=False, cpu_small_gemm=False)
+                   cpu_decode_layers=False, cpu_prefill_tiles=False, cpu_bf16_gemm=False)
 
     def for_device(self, device: torch.device | str) -> KernelOptions:
         """These options for a model on `device`: the C++ kernels are CPU-only, so
@@ -95,7 +95,7 @@ class KernelOptions:
             return self
         return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False,
                        cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
-                       cpu_decode_layers=False, cpu_prefill_tiles=False, cpu_small_gemm=False)
+                       cpu_decode_layers=False, cpu_prefill_tiles=False, cpu_bf16_gemm=False)
 
 
 DEFAULT_KERNELS = KernelOptions()

@@ -21,9 +21,10 @@
   tensor. Used from FUSED_SILU_MUL_ROWS rows on (below it the one fused GEMM's call is
   cheaper than two).
 
-- bfloat16 on CPU over 1-64 rows (decode steps), with `pack_linears(small_gemm=True)`: a
-  second packed copy streamed by engine/layers/cpu_small_gemm.py, which beats oneDNN's
-  kernels there when the weights come from DRAM (a decode step's case).
+- bfloat16 on CPU with `pack_linears(bf16_gemm=True)`: a second packed copy streamed by
+  engine/layers/cpu_bf16_gemm.py, which beats oneDNN's kernels when the weights come from
+  DRAM (decode steps: 8-32% a layer) and keeps level at prefill sizes; a fused gate/up
+  gets its silu(gate) * up form instead.
 
 Same parameters and state_dict keys as nn.Linear (a packed layer whose dense weight was
 released keeps an empty `weight`).
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import cpu_small_gemm
+from engine.layers import cpu_bf16_gemm
 
 log = logging.getLogger(__name__)
 
@@ -63,26 +64,26 @@ class Linear(nn.Linear):
     # after `pack_linears` the two halves prepacked on their own
     split_rows: int | None = None
     packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the weight in engine/layers/cpu_small_gemm.py's layout (`pack_linears`), or None;
-    # a fused gate/up projection gets its silu(gate) * up layout instead, `small_silu_mul`
-    small_packed: torch.Tensor | None = None
-    small_silu_mul: torch.Tensor | None = None
+    # the weight in engine/layers/cpu_bf16_gemm.py's layout (`pack_linears`), or None;
+    # a fused gate/up projection gets its silu(gate) * up layout instead
+    gemm_packed: torch.Tensor | None = None
+    gemm_silu_mul_packed: torch.Tensor | None = None
 
-    def takes_small_gemm(self, x: torch.Tensor) -> bool:
-        """Whether a call over `x` runs the small-batch GEMM (1-64 bf16 rows)."""
-        small = self.small_packed
-        return (small is not None and cpu_small_gemm.serves(x, small)
+    def takes_bf16_gemm(self, x: torch.Tensor) -> bool:
+        """Whether a call over `x` runs engine/layers/cpu_bf16_gemm.py."""
+        packed = self.gemm_packed
+        return (packed is not None and cpu_bf16_gemm.serves(x, packed)
                 and not torch.is_grad_enabled())
 
-    def takes_small_silu_mul(self, x: torch.Tensor) -> bool:
-        """Whether the MLP's silu(gate) * up over `x` runs on the small-batch GEMM."""
-        fused = self.small_silu_mul
-        return (fused is not None and cpu_small_gemm.serves(x, fused)
+    def takes_bf16_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether the MLP's silu(gate) * up over `x` runs on cpu_bf16_gemm."""
+        fused = self.gemm_silu_mul_packed
+        return (fused is not None and cpu_bf16_gemm.serves(x, fused)
                 and not torch.is_grad_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_small_gemm(x):
-            return cpu_small_gemm.gemm(x, self.small_packed, self.bias)
+        if self.takes_bf16_gemm(x):
+            return cpu_bf16_gemm.gemm(x, self.gemm_packed, self.bias)
         packed = self.packed
         if packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled():
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
@@ -123,12 +124,12 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 @torch.no_grad()
 def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = (), release: bool = True,
-                 small_gemm: bool = False) -> int:
+                 bf16_gemm: bool = False) -> int:
     """Prepack every Linear of `model` for oneDNN and (with `release`) free its dense
     weight, except under the module names in `keep_dense` (a weight shared with another
     module, such as a head tied to the embedding, or one read directly). With
-    `small_gemm`, the Linears outside `keep_dense` whose shapes it takes also get the
-    small-batch GEMM's copy (the caller checked `cpu_small_gemm.available()`). Returns
+    `bf16_gemm`, the Linears outside `keep_dense` whose shapes it takes also get
+    cpu_bf16_gemm's copy (the caller checked `cpu_bf16_gemm.available()`). Returns
     the number of layers packed."""
     count = 0
     for name, m in model.named_modules():
@@ -142,11 +143,11 @@ def pack_linears(model: nn.Module, keep_dense: tuple[str, ...] = (), release: bo
                 for h in (w[:m.split_rows], w[m.split_rows:]))
         count += 1
         kept = name in keep_dense or name.endswith(tuple("." + k for k in keep_dense))
-        if small_gemm and not kept and cpu_small_gemm.packable(w):
+        if bf16_gemm and not kept and cpu_bf16_gemm.packable(w):
             if m.split_rows is not None and m.bias is None and 2 * m.split_rows == w.shape[0]:
-                m.small_silu_mul = cpu_small_gemm.pack_silu_mul(w)
+                m.gemm_silu_mul_packed = cpu_bf16_gemm.pack_silu_mul(w)
             else:
-                m.small_packed = cpu_small_gemm.pack(w)
+                m.gemm_packed = cpu_bf16_gemm.pack(w)
         if release and not kept:
             m.weight.data = m.weight.data.new_empty(0)
     log.debug("prepacked %d linear layers for oneDNN", count)

@@ -22,9 +22,8 @@ from torch import nn
 
 from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
-from engine.layers import cpu_decode_layers, cpu_small_gemm
+from engine.layers import cpu_bf16_gemm, cpu_decode_layers
 from engine.layers.attention import get_attention_backend
-from engine.layers.cpu_small_gemm import SMALL_GEMM_ROWS
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, silu_mul_packed
 from engine.layers.norm import RMSNorm
@@ -79,12 +78,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        if self.gate_up_proj.takes_small_silu_mul(x):       # decode-sized bf16 batches
-            return self.down_proj(cpu_small_gemm.gemm_silu_mul(x, self.gate_up_proj.small_silu_mul))
+        gate_up = self.gate_up_proj
+        if gate_up.takes_bf16_silu_mul(x):      # engine/layers/cpu_bf16_gemm.py
+            return self.down_proj(cpu_bf16_gemm.gemm_silu_mul(x, gate_up.gemm_silu_mul_packed))
         halves = self.gate_up_proj.packed_halves
         if (halves is not None and x.dim() == 2 and x.shape[0] >= FUSED_SILU_MUL_ROWS
                 and x.dtype == halves[0].dtype and not torch.is_grad_enabled()
-                and not self.gate_up_proj.takes_small_gemm(x)):
+                and not self.gate_up_proj.takes_bf16_gemm(x)):
             return self.down_proj(silu_mul_packed(x, *halves))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -201,16 +201,16 @@ class DecodeLayers:
                              a.o_proj.packed, layer.post_attention_layernorm.weight, *halves,
                              mlp.gate_up_proj.packed, mlp.down_proj.packed,
                              *(empty if m is None else m
-                               for m in (a.qkv_proj.small_packed, a.o_proj.small_packed,
-                                         mlp.gate_up_proj.small_silu_mul,
-                                         mlp.down_proj.small_packed))]
-        small = any(w.numel() for w in self.weights[9::13] + self.weights[10::13]
-                    + self.weights[11::13] + self.weights[12::13])
+                               for m in (a.qkv_proj.gemm_packed, a.o_proj.gemm_packed,
+                                         mlp.gate_up_proj.gemm_silu_mul_packed,
+                                         mlp.down_proj.gemm_packed))]
+        copies = any(w.numel() for w in self.weights[9::13] + self.weights[10::13]
+                     + self.weights[11::13] + self.weights[12::13])
         self.rotary = model.rotary
         self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.intermediate_size,
-                     FUSED_SILU_MUL_ROWS, SMALL_GEMM_ROWS if small else 0]
+                     FUSED_SILU_MUL_ROWS, int(copies)]
         self.eps, self.scale = cfg.rms_norm_eps, model.attention.scale
-        self.table = cpu_decode_layers.kernel_table(small)
+        self.table = cpu_decode_layers.kernel_table(copies)
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> DecodeLayers | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.layers import batch_invariant, cpu_small_gemm
+from engine.layers import batch_invariant, cpu_bf16_gemm
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.linear import can_pack, pack_linears
 from engine.models.model_config import ModelConfig
@@ -98,7 +98,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         # the head keeps its dense weight: tied to the embedding, and the MTP draft head
         # reads it
         pack_linears(model, keep_dense=("lm_head",),
-                     small_gemm=kernels.cpu_small_gemm and cpu_small_gemm.available())
+                     bf16_gemm=kernels.cpu_bf16_gemm and cpu_bf16_gemm.available())
     return model.eval(), cfg
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine.layers import cpu_small_gemm
+from engine.layers import cpu_bf16_gemm
 from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear, can_pack, pack_linears
@@ -265,9 +265,9 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
             prefix + DRAFT_VOCAB_KEY))
     kernels = target_model.kernels
     if kernels.cpu_packed_linear and can_pack(dtype, device):
-        # one layer: its dense weights are kept (hf_state_dict reads them); every draft
-        # call is decode-sized, so the small-batch GEMM's copies too
+        # one layer: its dense weights are kept (hf_state_dict reads them); and
+        # cpu_bf16_gemm's copies, as the target's layers have
         pack_linears(mtp, release=False,
-                     small_gemm=kernels.cpu_small_gemm and cpu_small_gemm.available())
+                     bf16_gemm=kernels.cpu_bf16_gemm and cpu_bf16_gemm.available())
     return mtp.eval()
 

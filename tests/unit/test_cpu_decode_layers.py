@@ -1,7 +1,7 @@
 """The one-call C++ decode layers (engine/layers/cpu_decode_layers.py): every decode-only
 forward an engine runs gives the same bits as the Python layers' loop on the same inputs
 (plain decode at batch sizes on both sides of the MLP's epilogue threshold, with and
-without the small-batch GEMM, a qkv bias, aux-layer streams, MTP verify rows), and models
+without cpu_bf16_gemm, a qkv bias, aux-layer streams, MTP verify rows), and models
 it cannot serve keep the Python layers."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.cpu_small_gemm import SMALL_GEMM_ROWS
-from engine.layers.kernel_options import DECODE_LAYERS_ENV, SMALL_GEMM_ENV
+from engine.layers.kernel_options import BF16_GEMM_ENV, DECODE_LAYERS_ENV
 from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp
@@ -60,29 +59,28 @@ def _generate(llm, n: int, seed: int = 0):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("name,aux,small", [("llama-tied-gqa", (), "1"),
+@pytest.mark.parametrize("name,aux,gemm", [("llama-tied-gqa", (), "1"),
                                             ("qwen2-gqa4", (), "1"),
                                             ("llama-tied-gqa", (0,), "1"),
                                             ("llama-tied-gqa", (), "0"),
                                             ("qwen2-gqa4", (), "0")])
-def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, small):
-    monkeypatch.setenv(SMALL_GEMM_ENV, small)
+def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, gemm):
+    monkeypatch.setenv(BF16_GEMM_ENV, gemm)
     folder, _ = make_tiny_model(name, root)
     llm = LLM(folder, dtype="bfloat16", block_size=4, max_num_seqs=24)
     model = llm.engine.worker.model
     model.set_aux_layers(aux)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    # on: every layer linear has the small-batch GEMM's copy, and decode batches take it
-    assert all((m.small_packed is not None or m.small_silu_mul is not None) == (small == "1")
+    # on: every layer linear has cpu_bf16_gemm's copy, and both paths take it
+    assert all((m.gemm_packed is not None or m.gemm_silu_mul_packed is not None) == (gemm == "1")
                for m in linears)
     served = _both_paths(model)
     outs = _generate(llm, 20)
     assert all(len(o.outputs[0].token_ids) == 4 + 3 * i for i, o in enumerate(outs))
     sizes = {n for n, _ in served}
-    # both sides of the MLP's epilogue threshold: (small GEMM off) the epilogue GEMMs from
-    # FUSED_SILU_MUL_ROWS rows, one GEMM below; (on) its gate/up GEMM on both sides
+    # both sides of the MLP's epilogue threshold: (cpu_bf16_gemm off) the epilogue GEMMs
+    # from FUSED_SILU_MUL_ROWS rows, one GEMM below; (on) its silu(gate) * up on both
     assert max(sizes) >= FUSED_SILU_MUL_ROWS and min(sizes) < FUSED_SILU_MUL_ROWS, sizes
-    assert max(sizes) <= SMALL_GEMM_ROWS
 
 
 def test_mtp_verify_rows_equal_the_python_layers(root):
@@ -90,9 +88,10 @@ def test_mtp_verify_rows_equal_the_python_layers(root):
     folder = with_mtp(base, root / "llama-mtp")
     llm = LLM(folder, dtype="bfloat16", block_size=4, speculative_method="mtp",
               num_speculative_tokens=2)
-    # the draft's calls are all decode-sized: its linears have the small-batch GEMM's copies
+    # the draft's linears have cpu_bf16_gemm's copies, as the target's do
     draft = llm.engine.speculative.draft
-    assert any(isinstance(m, Linear) and m.small_silu_mul is not None for m in draft.modules())
+    assert any(isinstance(m, Linear) and m.gemm_silu_mul_packed is not None
+               for m in draft.modules())
     served = _both_paths(llm.engine.worker.model)
     _generate(llm, 6, seed=1)
     assert any(rows == 3 for _, rows in served), served
