@@ -23,7 +23,8 @@
 
 - bfloat16 on CPU with `pack_linears(bf16_gemm=True)`: a second packed copy streamed by
   engine/layers/cpu_bf16_gemm.py, which beats oneDNN's kernels when the weights come from
-  DRAM (decode steps: 8-32% a layer) and keeps level at prefill sizes; a fused gate/up
+  DRAM (decode steps: 12-32% a layer, with 30 layers' weights cycled through) and keeps
+  level at prefill sizes; a fused gate/up
   gets its silu(gate) * up form instead.
 
 Same parameters and state_dict keys as nn.Linear (a packed layer whose dense weight was

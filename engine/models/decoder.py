@@ -81,12 +81,11 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj
         if gate_up.takes_bf16_silu_mul(x):      # engine/layers/cpu_bf16_gemm.py
             return self.down_proj(cpu_bf16_gemm.gemm_silu_mul(x, gate_up.gemm_silu_mul_packed))
-        halves = self.gate_up_proj.packed_halves
+        halves = gate_up.packed_halves
         if (halves is not None and x.dim() == 2 and x.shape[0] >= FUSED_SILU_MUL_ROWS
-                and x.dtype == halves[0].dtype and not torch.is_grad_enabled()
-                and not self.gate_up_proj.takes_bf16_gemm(x)):
+                and x.dtype == halves[0].dtype and not torch.is_grad_enabled()):
             return self.down_proj(silu_mul_packed(x, *halves))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate, up = gate_up(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
