@@ -72,15 +72,11 @@ class Linear(nn.Linear):
 
     def takes_bf16_gemm(self, x: torch.Tensor) -> bool:
         """Whether a call over `x` runs engine/layers/cpu_bf16_gemm.py."""
-        packed = self.gemm_packed
-        return (packed is not None and cpu_bf16_gemm.serves(x, packed)
-                and not torch.is_grad_enabled())
+        return _takes(x, self.gemm_packed)
 
     def takes_bf16_silu_mul(self, x: torch.Tensor) -> bool:
         """Whether the MLP's silu(gate) * up over `x` runs on cpu_bf16_gemm."""
-        fused = self.gemm_silu_mul_packed
-        return (fused is not None and cpu_bf16_gemm.serves(x, fused)
-                and not torch.is_grad_enabled())
+        return _takes(x, self.gemm_silu_mul_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_bf16_gemm(x):
@@ -104,6 +100,11 @@ class Linear(nn.Linear):
                 y = y + self.bias
             return y.contiguous()
         return F.linear(x, weight, self.bias)
+
+
+def _takes(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    return (packed is not None and cpu_bf16_gemm.serves(x, packed)
+            and not torch.is_grad_enabled())
 
 
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias, multiple: int) -> torch.Tensor:

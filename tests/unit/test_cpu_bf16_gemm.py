@@ -21,14 +21,20 @@ def usable():
         pytest.fail(f"bf16 GEMM unusable here: {cpu_bf16_gemm.EXTENSION.failed}")
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 sums in VDPBF16PS order (bf16 x bf16 products are exact in float32), the
-    bias added after the sum, one rounding to bf16."""
+def _sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T as float32 sums in VDPBF16PS order: k-pairs in turn, each pair's odd then
+    even product (bf16 x bf16 products are exact in float32)."""
     xf, wf = x.float(), w.float()
     acc = torch.zeros(x.shape[0], w.shape[0])
     for p in range(x.shape[1] // 2):
         acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
         acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+    return acc
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The ordered sums, the bias added after them, one rounding to bf16."""
+    acc = _sums(x, w)
     if bias is not None:
         acc = acc + bias.float()
     return acc.bfloat16()
@@ -46,15 +52,6 @@ def test_equals_the_ordered_float32_sum(n, k, bias):
         x = torch.randn(m, k, generator=g).bfloat16()
         got = cpu_bf16_gemm.gemm(x, packed, b)
         assert torch.equal(got, _reference(x, w, b)), f"{m} rows of [{n}, {k}]"
-
-
-def _sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    xf, wf = x.float(), w.float()
-    acc = torch.zeros(x.shape[0], w.shape[0])
-    for p in range(x.shape[1] // 2):
-        acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
-        acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
-    return acc
 
 
 def _within_one_rounding(got: torch.Tensor, exact: torch.Tensor) -> bool:
