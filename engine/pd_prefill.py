@@ -113,8 +113,17 @@ class KvPushConnector:
             yield
             return
         try:
-            with self._layer_hooks(plan):
+            delivered: set[int] = set()
+            with self._layer_hooks(plan, delivered):
                 yield
+            # A forward that bypasses the layers' modules fired no hook for them: the
+            # one-call C++ decode layers (any step whose rows are all single tokens: a
+            # one-token prompt, or a prompt whose cached prefix leaves one token) or a
+            # graph replay. The step has written every layer's KV by now and nothing has
+            # run since, so the layers not yet handed over go from the cache, in order.
+            for layer in range(len(self.engine.model.layers)):
+                if layer not in delivered:
+                    self._hand_over(layer, plan)
             for job in {id(job): job for job, _, _ in plan}.values():
                 job.target.sink.on_step_end()
         except Exception as exc:
@@ -164,31 +173,34 @@ class KvPushConnector:
         return plan
 
     @contextlib.contextmanager
-    def _layer_hooks(self, plan):
-        eng = self.engine
-        kv = eng.kv_cache
-        on_device = not eng.device.is_cpu
-
+    def _layer_hooks(self, plan, delivered: set[int]):
         def make_hook(layer: int):
             def hook(module, args, output):
-                for job, src, dst in plan:
-                    k = gather_blocks(kv.k[layer], src)
-                    v = gather_blocks(kv.v[layer], src)
-                    ready = None
-                    if on_device:   # async copy out; the sink waits on the event
-                        k, v = k.to("cpu", non_blocking=True), v.to("cpu", non_blocking=True)
-                        ready = eng.device.new_event()
-                        ready.record(eng.device.current_stream())
-                    job.target.sink.on_layer(layer, dst, k, v, ready)
+                self._hand_over(layer, plan)
+                delivered.add(layer)
             return hook
 
         handles = [layer.register_forward_hook(make_hook(i))
-                   for i, layer in enumerate(eng.model.layers)]
+                   for i, layer in enumerate(self.engine.model.layers)]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _hand_over(self, layer: int, plan) -> None:
+        """Give the sinks this step's blocks of one layer, read from the KV cache."""
+        eng = self.engine
+        kv = eng.kv_cache
+        for job, src, dst in plan:
+            k = gather_blocks(kv.k[layer], src)
+            v = gather_blocks(kv.v[layer], src)
+            ready = None
+            if not eng.device.is_cpu:   # async copy out; the sink waits on the event
+                k, v = k.to("cpu", non_blocking=True), v.to("cpu", non_blocking=True)
+                ready = eng.device.new_event()
+                ready.record(eng.device.current_stream())
+            job.target.sink.on_layer(layer, dst, k, v, ready)
 
     def _fail(self, job: PushJob, exc: BaseException) -> None:
         self.jobs.pop(job.seq.seq_id, None)

@@ -4,8 +4,9 @@ One exception type carries both mappings, so the HTTP and gRPC fronts cannot dis
 what a failure means: 400 / INVALID_ARGUMENT for bad input, 401 / UNAUTHENTICATED without a
 valid API key, 413 / RESOURCE_EXHAUSTED for a body over the size limit, 429 /
 RESOURCE_EXHAUSTED when every node is full or an API key is over its rate limit, 503 /
-UNAVAILABLE when no node can serve. The 429s and the 503 carry a retry delay: HTTP's
-`Retry-After` header, a `retry-after` trailer on gRPC.
+UNAVAILABLE when no node can serve, 500 / INTERNAL when a request fails the same way on
+consecutive attempts (a bug in the cluster that replaying will not cure). The 429s and
+the 503 carry a retry delay: HTTP's `Retry-After` header, a `retry-after` trailer on gRPC.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ class NoNodeAvailable(RouterError):
     def __init__(self, message: str, param: str | None = None, retry_after_s: int = 1):
         super().__init__(message, param)
         self.retry_after_s = retry_after_s      # the HTTP Retry-After header
+
+
+class RepeatedFailure(RouterError):
+    """Consecutive attempts of one request failed with the same cause on different tries:
+    replaying it again would fail the same way, so the client gets a 500 naming the cause
+    at once (a bug in the cluster, not a busy or missing node)."""
+    http_status = 500
+    grpc_code = "INTERNAL"
+    error_type = "internal_error"
 
 
 class NodeFailure(Exception):

@@ -109,6 +109,12 @@ class RouterMetrics:
         self.attempt_failures = Counter("pdserve_router_attempt_failures",
                                         "Attempts that failed, by the failing role and reason",
                                         ["role", "reason"], registry=r)
+        # requests answered 500 because consecutive attempts failed with the same cause
+        # (router/pd_backend.py): which side and the refusal's gRPC code
+        self.repeated_failures = Counter("pdserve_router_repeated_failures",
+                                         "Requests given up because consecutive attempts "
+                                         "failed with the same cause",
+                                         ["role", "reason"], registry=r)
         self.requests = Counter("pdserve_router_requests",
                                 "Finished requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)

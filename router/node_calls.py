@@ -30,9 +30,20 @@ class TryOther(Exception):
     """This unit (a pair, or an aggregated node) cannot take the request (full,
     incompatible, aborted, draining); try another one. The node stays in the pool."""
 
-    def __init__(self, node: NodeState, code: grpc.StatusCode, message: str):
+    def __init__(self, node: NodeState, code: grpc.StatusCode, message: str,
+                 replay: bool = False):
         super().__init__(message)
         self.node_id, self.role, self.code, self.message = node.node_id, node.role, code, message
+        # the node asked for a replay elsewhere (draining, a lease that ran out): a passing
+        # state of that node, never the request's own fault
+        self.replay = replay
+
+    @property
+    def may_pass(self) -> bool:
+        """Whether the same refusal can go away by itself: the node is full, asked for a
+        replay, or its discovery view does not hold the peer yet (PERMISSION_DENIED)."""
+        return self.replay or self.code in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            grpc.StatusCode.PERMISSION_DENIED)
 
 
 class ChannelCache:
@@ -93,7 +104,7 @@ def stop_reason_from_wire(value: str, params: SamplingParams) -> int | str | Non
 def classify_failure(failure: RpcFailure, node: NodeState) -> Exception:
     code, message = failure.code, failure.message
     if failure.replay:               # the node is fine but will not run this request
-        return TryOther(node, code, message)
+        return TryOther(node, code, message, replay=True)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(message)
     # PERMISSION_DENIED: e.g. a prefill node whose discovery view does not (yet) hold the

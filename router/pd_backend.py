@@ -19,6 +19,14 @@ unchanged by a replay; penalties then count the streamed tokens as prompt tokens
 Aggregated nodes (router/aggregated_flow.py) are units of their own: when some are
 registered, each attempt goes to the less loaded of the best pair and the best aggregated
 node, and an aggregated attempt fails, refuses and replays through this same loop.
+
+A refusal that repeats on the next attempt with the same cause (`failure_cause`: the same
+role, code and message, ids and numbers aside), and is not one that passes by itself (a
+full node, a replay hint, a discovery view that lags), is not replayed again: the request ends at
+once with a 500 naming the cause (RepeatedFailure), counted in
+pdserve_router_repeated_failures_total and logged once. Such a refusal (a KV push the
+decode node finds incomplete, say) is a bug in the cluster, and every replay would spend
+the same prefill for the same refusal.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -40,7 +49,7 @@ from protos import node_pb2, node_pb2_grpc
 from router.admission import AdmissionQueue, Turn
 from router.aggregated_flow import AGGREGATED, aggregated_attempt, pick_unit
 from router.backend import NodeRequest, StepOutput
-from router.errors import NodeFailure, NoNodeAvailable, Overloaded
+from router.errors import NodeFailure, NoNodeAvailable, Overloaded, RepeatedFailure
 from router.metrics import PhaseClock, RouterMetrics
 from router.node_calls import (  # noqa: F401 - ChannelCache: re-exported for callers
     ChannelCache,
@@ -105,6 +114,7 @@ class PdBackend:
         full: set[str] = set()           # nodes that said RESOURCE_EXHAUSTED
         refusals: list[str] = []
         attempt = 0                      # failures and refusals other than "full"
+        last_cause: tuple | None = None  # failure_cause of the last refusal
         tries = 0                        # every call made (names the request on the nodes)
         loop = asyncio.get_running_loop()
         arrived = loop.time()
@@ -191,6 +201,7 @@ class PdBackend:
                 except NodeFailure as f:
                     node = pre if pre is not None and f.node_id == pre.node_id else dec
                     await self._node_failed(node, str(f), rid)
+                    last_cause = None        # a dead node is not the request's doing
                     self.metrics.replays.inc()
                     self.metrics.attempt_failures.labels(node.role, "node_down").inc()
                 except TryOther as t:
@@ -198,11 +209,24 @@ class PdBackend:
                     exclude[role].add(t.node_id)
                     self.metrics.attempt_failures.labels(role, t.code.name.lower()).inc()
                     refusals.append(f"{t.node_id}: {t.message}")
-                    log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
-                             t.node_id, t.code.name, t.message)
                     if t.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        log.info("[%s] %s node %s is full: %s; trying another", rid, role,
+                                 t.node_id, t.message)
                         full.add(t.node_id)
                         continue             # bounded by the queue timeout, not by attempts
+                    cause = None if t.may_pass else failure_cause(t, request.request_id)
+                    if cause is not None and cause == last_cause:
+                        self.metrics.repeated_failures.labels(role, t.code.name.lower()).inc()
+                        log.error("[%s] failed the same way on two attempts, not replayed: "
+                                  "%s node %s: %s: %s", request.request_id, role, t.node_id,
+                                  t.code.name, t.message)
+                        raise RepeatedFailure(
+                            f"request failed the same way on {attempt + 1} attempts (not "
+                            f"retried again): {role} node {t.node_id}: {t.code.name}: "
+                            f"{t.message}") from None
+                    last_cause = cause
+                    log.info("[%s] %s node %s refused (%s): %s; trying another", rid, role,
+                             t.node_id, t.code.name, t.message)
                 attempt += 1
                 if attempt >= self.max_attempts:
                     raise NoNodeAvailable(f"gave up after {attempt} attempts; last: "
@@ -309,6 +333,16 @@ class PdBackend:
                 await self.channels.release(dec.address)
                 await self.channels.release(pre.address)
                 self.admission.wake()        # this request's room is free again
+
+
+def failure_cause(t: TryOther, request_id: str) -> tuple[str, str, str]:
+    """What a refusal says is wrong, without what differs between attempts of the same
+    request: its per-attempt id, reservation ids and every number (block ids, counts)."""
+    text = re.sub(re.escape(request_id) + r"(?:\.r\d+)?", "<request>", t.message)
+    return t.role, t.code.name, _VARYING.sub("#", text)
+
+
+_VARYING = re.compile(r"\b[0-9a-f]*\d[0-9a-f]*\b")
 
 
 def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:

@@ -58,8 +58,12 @@ class Shared:
 
 class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False,
-                 hang_after: int | None = None, capacity: int | None = None):
+                 hang_after: int | None = None, capacity: int | None = None,
+                 refuse_push: bool = False):
+        """refuse_push: every push is refused as incomplete (as a decode node says it,
+        naming the request and a block id that differs per attempt)."""
         self.shared, self.die_after, self.full = shared, die_after, full
+        self.refuse_push = refuse_push
         self.hang_after = hang_after
         self.capacity, self.active, self.admitted = capacity, 0, []
         self.draining = False
@@ -87,6 +91,11 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
             push_token=f"token-{request.request_id}".encode()))
         try:
             await self.shared.event(request.request_id).wait()
+            if self.refuse_push:
+                block = 5 + len(self.shared.reserve_requests)
+                await RpcFailure(grpc.StatusCode.ABORTED, f"KV push refused: push for request "
+                                 f"{request.request_id} is incomplete: missing layer 0 K "
+                                 f"blocks [{block}]", DECODE).abort(context)
             if request.request_id in self.shared.prefill_failed:
                 await RpcFailure(grpc.StatusCode.ABORTED, "prefill failed: see the prefill",
                                  PREFILL).abort(context)

@@ -13,7 +13,7 @@ from cluster.discovery import MemoryRegistry, MemoryStore, NodeLoad, NodeRecord
 from engine.sampling_params import SamplingParams
 from router.backend import NodeRequest
 from router.discovery_feed import follow
-from router.errors import InvalidRequest, NoNodeAvailable, Overloaded
+from router.errors import InvalidRequest, NoNodeAvailable, Overloaded, RepeatedFailure
 from router.metrics import RouterMetrics
 from router.node_pool import NodePool
 from router.pd_backend import PdBackend
@@ -324,3 +324,35 @@ def test_a_prefill_reply_still_on_its_way_when_the_request_finishes(monkeypatch,
     assert tokens == _expected(PROMPT, 3) and steps[-1].finish_reason == "length"
     assert shared.prefill_cancelled == cancelled
     assert inflight == [0, 0]
+
+
+def test_a_refusal_that_repeats_with_the_same_cause_is_a_500_at_once_not_four_replays():
+    """Every decode node refuses the push as incomplete (ids and block numbers differ per
+    attempt, the cause does not): the second identical refusal ends the request with a 500
+    naming the cause, counted once; a refusal on one node only is replayed and served."""
+    async def main():
+        shared = Shared()
+        _, backend, servers = await _cluster(
+            shared, [{"refuse_push": True}, {"refuse_push": True}], [{}, {}])
+        with pytest.raises(RepeatedFailure, match="incomplete") as err:
+            await _collect(backend, "r11", PROMPT, 4)
+        count = backend.metrics.registry.get_sample_value(
+            "pdserve_router_repeated_failures_total", {"role": "decode", "reason": "aborted"})
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        shared2 = Shared()
+        _, backend2, servers2 = await _cluster(shared2, [{"refuse_push": True}, {}], [{}])
+        tokens, _ = await _collect(backend2, "r12", PROMPT, 4)
+        for s in servers2:
+            await s.stop(None)
+        await backend2.close()
+        return shared, err.value, count, shared2, tokens
+
+    shared, err, count, shared2, tokens = _run(main())
+    assert (err.http_status, err.grpc_code) == (500, "INTERNAL")
+    assert "on 2 attempts" in err.message and "decode node decode-" in err.message
+    assert [r.request_id for r in shared.prefill_requests] == ["r11", "r11.r1"]
+    assert count == 1
+    assert tokens == _expected(PROMPT, 4)
+    assert [r.request_id for r in shared2.prefill_requests] == ["r12", "r12.r1"]
