@@ -30,13 +30,14 @@ def _head(req: ParsedRequest, created: int, chunk: bool) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": req.model}
 
 
-def usage(results: list[RequestResult]) -> dict:
-    prompt = sum(r.num_prompt_tokens for r in results)
+def usage(results: list[RequestResult], n: int = 1) -> dict:
+    """Prompt tokens count once per prompt (its n choices share it), as OpenAI's do."""
+    prompt = sum(r.num_prompt_tokens for r in results[::n])
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens
-                                                           for r in results)}}
+                                                           for r in results[::n])}}
 
 
 def _token_str(tok: Tokenizer, token_id: int) -> str:
@@ -96,7 +97,7 @@ def full_response(req: ParsedRequest, results: list[RequestResult], tok: Tokeniz
     body["choices"] = choices
     if req.return_token_ids:
         body["prompt_token_ids"] = req.prompts if len(req.prompts) > 1 else req.prompts[0]
-    body["usage"] = usage(results)
+    body["usage"] = usage(results, req.n)
     return body
 
 
@@ -150,7 +151,7 @@ class ChunkWriter:
     def usage_chunk(self, results: list[RequestResult]) -> bytes:
         body = _head(self.req, self.created, chunk=True)
         body["choices"] = []
-        body["usage"] = usage(results)
+        body["usage"] = usage(results, self.req.n)
         return sse_event(body)
 
 

@@ -14,6 +14,7 @@ event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from engine.tokenizer import Tokenizer
 from router.errors import InvalidRequest, ModelNotFound
 from router.model_info import ModelInfo
 from router.schema_errors import validate
-from router.schemas import ChatBody, CompletionBody, SamplingFields
+from router.schemas import MAX_PROMPTS, ChatBody, CompletionBody, SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16          # OpenAI's and vLLM's default for completions
 # Request ids travel into log lines and node calls: short, and nothing that could forge a
@@ -57,6 +58,9 @@ class ParsedRequest:
     # vLLM's extension: token ids in the response (choices[].token_ids, prompt_token_ids)
     return_token_ids: bool = False
     internal_id: str = field(default_factory=new_internal_id)
+    # choices per prompt: `prompts` holds each prompt n times in a row (choice i * n + j is
+    # prompt i's j-th), as OpenAI numbers the choices
+    n: int = 1
 
 
 def new_request_id() -> str:
@@ -156,6 +160,25 @@ def sampling_from_fields(s: SamplingFields, info: ModelInfo) -> dict:
     return fields
 
 
+def with_choices(req: ParsedRequest, n: int) -> ParsedRequest:
+    """Each prompt's choice repeated n times in a row. With a seed, choice j samples with
+    seed + j: the same seed would make every choice the same."""
+    if n == 1:
+        return req
+    if len(req.prompts) * n > MAX_PROMPTS:
+        raise InvalidRequest(f"{len(req.prompts)} prompts x n = {n} make "
+                             f"{len(req.prompts) * n} choices, more than the {MAX_PROMPTS} "
+                             f"one request may ask for", "n")
+    params = []
+    for sp in req.params:
+        for j in range(n):
+            params.append(sp if sp.seed is None or j == 0
+                          else dataclasses.replace(sp, seed=sp.seed + j))
+    return dataclasses.replace(
+        req, prompts=[p for p in req.prompts for _ in range(n)],
+        prompt_texts=[t for t in req.prompt_texts for _ in range(n)], params=params, n=n)
+
+
 def parse_completion(body: object, info: ModelInfo, tok: Tokenizer,
                      request_id: str | None = None) -> ParsedRequest:
     b = validate(CompletionBody, parse_body(body))
@@ -178,9 +201,10 @@ def parse_completion(body: object, info: ModelInfo, tok: Tokenizer,
     params = [build_sampling(fields, max_tokens_for(len(ids), b.max_tokens, "max_tokens", info,
                                                     DEFAULT_COMPLETION_MAX_TOKENS), b.logprobs)
               for ids in prompts]
-    return ParsedRequest("completion", check_request_id(request_id), model, prompts, texts,
-                         params, stream=b.stream, include_usage=b.include_usage, echo=b.echo,
-                         return_token_ids=b.return_token_ids)
+    return with_choices(ParsedRequest(
+        "completion", check_request_id(request_id), model, prompts, texts, params,
+        stream=b.stream, include_usage=b.include_usage, echo=b.echo,
+        return_token_ids=b.return_token_ids), b.n)
 
 
 def parse_chat(body: object, info: ModelInfo, tok: Tokenizer,
@@ -201,6 +225,7 @@ def parse_chat(body: object, info: ModelInfo, tok: Tokenizer,
     # vLLM's default for chat: generate up to the model's length.
     max_tokens = max_tokens_for(len(ids), asked, key, info, None)
     params = build_sampling(sampling_from_fields(b, info), max_tokens, logprobs)
-    return ParsedRequest("chat", check_request_id(request_id), model, [ids], [text],
-                         [params], stream=b.stream, include_usage=b.include_usage,
-                         return_token_ids=b.return_token_ids)
+    return with_choices(ParsedRequest(
+        "chat", check_request_id(request_id), model, [ids], [text], [params],
+        stream=b.stream, include_usage=b.include_usage,
+        return_token_ids=b.return_token_ids), b.n)

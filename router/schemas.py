@@ -36,6 +36,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Edge limits on list sizes: generous for real use, small enough that one request cannot
 # fan out into thousands of backend streams or stop-string scans.
 MAX_PROMPTS = 128               # completions batch: one backend stream each
+MAX_N = 16                      # choices per prompt (n); prompts x n <= MAX_PROMPTS
 MAX_MESSAGES = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024           # per stop string (the stream holds back longest - 1 chars)
@@ -187,7 +188,7 @@ class _OpenAIBody(SamplingFields):
     model: Text
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    n: Int(1, 1) = 1
+    n: Int(1, MAX_N) = 1                     # choices per prompt
     user: Text | None = None
     return_token_ids: Bool = False            # vLLM's extension: token ids in the response
     logit_bias: Annotated[dict[Text, Num(ge=-100, le=100)],

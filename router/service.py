@@ -72,7 +72,8 @@ class RequestRun:
         log.info("[%s] %s: %d prompt(s), %s prompt tokens, internal id %s", self.req.request_id,
                  self.endpoint, len(self.req.prompts), [len(p) for p in self.req.prompts],
                  self.req.internal_id)
-        self.service.metrics.prompt_tokens.inc(sum(len(p) for p in self.req.prompts))
+        self.service.metrics.prompt_tokens.inc(
+            sum(len(p) for p in self.req.prompts[::self.req.n]))
         try:
             if len(self.req.prompts) == 1:
                 stream = self._choice(0)

@@ -213,8 +213,8 @@ S = [
     ("include_usage-str", COMPLETIONS, C(stream=True, stream_options={"include_usage": "y"}),
      400, "stream_options", "stream_options.include_usage must be a boolean"),
     # -- unsupported / OpenAI extras
-    ("n-2", COMPLETIONS, C(n=2), 400, "n", "n must be 1"),
-    ("n-0", CHAT, CH(n=0), 400, "n", "n must be 1"),
+    ("n-17", COMPLETIONS, C(n=17), 400, "n", "n must be in [1, 16]"),
+    ("n-0", CHAT, CH(n=0), 400, "n", "n must be in [1, 16]"),
     ("n-str", COMPLETIONS, C(n="1"), 400, "n", "an integer"),
     ("best_of-2", COMPLETIONS, C(best_of=2), 400, "best_of", "best_of must be 1"),
     ("logit_bias-used", COMPLETIONS, C(logit_bias={"1": 5}), 400, "logit_bias",

@@ -195,6 +195,34 @@ def test_batch_prompt_gives_one_choice_per_prompt(model_dir, tok):
                        if e["choices"][0]["index"] == i) == tok.decode(TOKENS[:3])
 
 
+def test_n_gives_n_choices_per_prompt_numbered_as_openai_does(model_dir, tok):
+    """Prompt i's j-th choice is index i * n + j; prompt tokens count once per prompt; a
+    seed gives each choice its own (seed + j), so sampled choices are not all the same."""
+    backend = ScriptedBackend(TOKENS[:3])
+
+    async def go(http):
+        _, raw = await _post(http, "/v1/completions",
+                             {"model": "tiny", "prompt": ["a", [5, 6, 7]], "max_tokens": 3,
+                              "n": 3, "seed": 10, "temperature": 0.5})
+        _, events = await _sse(http, "/v1/chat/completions",
+                               {"model": "tiny", "max_tokens": 3, "n": 2, "stream": True,
+                                "messages": [{"role": "user", "content": "hi"}]})
+        return json.loads(raw), events
+
+    whole, events = _serve(model_dir, backend, go)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3, 4, 5]
+    assert all(c["text"] == tok.decode(TOKENS[:3]) for c in whole["choices"])
+    prompts = [r.prompt_token_ids for r in backend.requests[:6]]
+    assert prompts[3:] == [[5, 6, 7]] * 3 and prompts[0] == prompts[1] == prompts[2]
+    assert [r.params.seed for r in backend.requests[:6]] == [10, 11, 12, 10, 11, 12]
+    assert whole["usage"]["prompt_tokens"] == len(prompts[0]) + 3
+    assert whole["usage"]["completion_tokens"] == 6 * 3
+    chat = [e for e in events[:-1] if e["choices"]]
+    for i in (0, 1):
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in chat
+                       if e["choices"][0]["index"] == i) == tok.decode(TOKENS[:3])
+
+
 BAD = [
     ("/v1/completions", "{not json", None, "not valid JSON"),
     ("/v1/completions", "[1, 2]", None, "JSON object"),
@@ -208,7 +236,9 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, "top_p", "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens",
      "max_tokens must be in [1, 2147483647], got 0"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, "n", "n must be 1, got 2"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 17}, "n", "n must be in [1, 16]"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x"] * 9, "n": 16}, "n",
+     "9 prompts x n = 16 make 144 choices, more than the 128"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, "stream",
      "stream must be a boolean, got 'yes'"),
     ("/v1/completions", {"model": "tiny", "prompt": list(range(3, 67))}, "prompt",
