@@ -1,69 +1,210 @@
-"""Batch-invariant mode's fit to the matmul library (EngineConfig.batch_invariant).
+"""Batch-invariant mode's linears (EngineConfig.batch_invariant): a row's result must be
+the same bits alone and beside any other rows, on every CPU.
 
-The mode computes every row's attention one row at a time (engine/layers/sdpa_attention.py)
-and keeps Linear on one code path (engine/layers/linear.py); what is left is the BLAS /
-oneDNN kernel under F.linear, whose result for a row may change with the number of rows
-in the call and the row's place in it (a gemv for one row, edge tiles for the rows past
-the last full micro-tile). That is a property of the library on this CPU, so it is
-measured here at load, on the model's own layers: the smallest row multiple that gives a
-row the same bits wherever it sits becomes the layer's `row_multiple` (every call is
-padded up to a multiple of it), so each row goes through the same micro-kernel. Measured
-here (AVX2, torch 2.13): float32 differs between 1 row, 2-3 rows and 4+ rows, and
-between a full 4-row tile and an edge row; on an AVX512-BF16 EPYC, oneDNN's bf16 1-row
-and 8-row kernels round a few rows in a hundred differently (multiple 2 there). A
-library with no such multiple gets a clear error, not a mode that silently is not one.
+The mode computes every row's attention one row at a time (engine/layers/sdpa_attention.py);
+the linears are left. Under F.linear, oneDNN and MKL pick kernels and K blockings by the
+row count: a gemv for one row, edge tiles past the last full micro-tile, AMX tiles on a
+Xeon. So each Linear gets one of these kernels, chosen at load on the model's own weights:
+
+- `bf16_gemm`: the weight-streaming GEMM (engine/layers/cpu_bf16_gemm.py): each row's
+  sums run over k-pairs in order, whatever rows share the call. Needs AVX512-BF16 and a
+  weight it packs (N a multiple of 32, K even).
+- `fixed_order`: engine/layers/cpu_fixed_order_linear.py, float32 sums over k in order on
+  any CPU (float32 or bf16), invariant by construction; the fallback.
+- `padded`: F.linear over the rows padded to a row multiple, measured here: the smallest
+  multiple that gives every probe row the same bits wherever it sits (on an AVX2 CPU
+  float32 needs 4; on an AVX512-BF16 EPYC oneDNN's bf16 needs 2; on an AMX Xeon bf16 has
+  none). Uses the library's own kernel, so float32 keeps HF's rounding where it holds.
+
+Every candidate that runs here is checked by the same probe (rows alone against the same
+rows in calls of many sizes at many offsets, bit for bit); among those that pass, the
+fastest on the weight (timed over a decode-sized and a prefill-sized call) is taken. The
+choice is logged. PDSERVE_BATCH_INVARIANT_LINEAR=<name> (KernelOptions) forces one
+candidate; a forced candidate that cannot run or does not hold here is a clear error, as
+is a CPU where none holds.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
 
+from engine.layers import cpu_bf16_gemm, cpu_fixed_order_linear
 from engine.layers.linear import Linear, padded_linear
 
+log = logging.getLogger(__name__)
+
+CANDIDATES = ("bf16_gemm", "fixed_order", "padded")
+AUTO = "auto"
 # rows in a probe call, across the sizes where BLAS kernels switch (gemv, edge tiles,
 # full micro-tiles)
 SIZES = (*range(1, 18), 24, 31, 33, 64, 100)
 ROW_MULTIPLES = (1, 2, 4, 8, 16, 32)
+TIMED_ROWS = (8, 128)       # a decode batch and a prefill chunk
 
 
 class NotBatchInvariant(RuntimeError):
     pass
 
 
-def enable(model: torch.nn.Module) -> None:
-    """Put every Linear of `model` on its batch-invariant path, its calls padded to the
-    row multiple measured for its weight shape."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+Kernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]   # (x [M, K], bias)
+
+
+def enable(model: torch.nn.Module, choice: str = AUTO) -> dict[tuple, str]:
+    """Give every Linear of `model` a batch-invariant kernel (`choice`: auto or one of
+    CANDIDATES). Returns {(shape, dtype): the kernel's name}."""
+    if choice != AUTO and choice not in CANDIDATES:
+        raise ValueError(f"batch-invariant linear kernel must be {AUTO} or one of "
+                         f"{', '.join(CANDIDATES)}, got {choice!r}")
     gen = torch.Generator().manual_seed(0)
-    multiple: dict[tuple, int] = {}
-    for m in layers:
-        m.batch_invariant = True
-        key = (tuple(m.weight.shape), m.weight.dtype, m.weight.device)
-        if key not in multiple:
-            multiple[key] = measure_row_multiple(m.weight, gen)
-        m.row_multiple = multiple[key]
+    chosen: dict[tuple, tuple[str, Callable[[torch.Tensor], Kernel]]] = {}
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        key = (tuple(m.weight.shape), m.weight.dtype)
+        if key not in chosen:
+            chosen[key] = select(m.weight, gen, choice)
+        name, make = chosen[key]
+        m.invariant = make(m.weight)
+        m.invariant_name = name
+    for (shape, dtype), (name, _) in chosen.items():
+        log.info("batch-invariant linear %s %s: %s", list(shape), dtype, name)
+    return {k: v[0] for k, v in chosen.items()}
+
+
+def select(weight: torch.Tensor, gen: torch.Generator, choice: str = AUTO
+           ) -> tuple[str, Callable[[torch.Tensor], Kernel]]:
+    """(name, factory of the kernel for a weight of this shape): the forced `choice`, or
+    the fastest candidate that holds on this CPU. Candidates are timed first and probed
+    fastest first, so a load probes one kernel where the fastest holds (the probe costs
+    hundreds of calls; the LM head's are the dearest)."""
+    names = CANDIDATES if choice == AUTO else (choice,)
+    runnable, why = {}, {}
+    for name in names:
+        make, reason = _runnable(name, weight)
+        if make is None:
+            why[name] = reason
+        else:
+            runnable[name] = make
+    times = ({name: _time(make(weight), weight, gen) for name, make in runnable.items()}
+             if len(runnable) > 1 else {name: 0.0 for name in runnable})
+    for name in sorted(times, key=times.__getitem__):
+        make, reason = _holding(name, runnable[name], weight, gen)
+        if make is not None:
+            log.debug("batch-invariant linear %s: %s (timed %s)", list(weight.shape), name,
+                      ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()))
+            return name, make
+        why[name] = reason
+    detail = "; ".join(f"{n}: {r}" for n, r in why.items())
+    raise NotBatchInvariant(
+        f"batch_invariant: no linear kernel gives a row the same bits whatever rows share "
+        f"the call for weight {list(weight.shape)} {weight.dtype} on this CPU ({detail}); "
+        f"run without batch_invariant")
+
+
+def _runnable(name: str, weight: torch.Tensor):
+    """(factory, None) when kernel `name` runs here on `weight`, else (None, why)."""
+    if name == "bf16_gemm":
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            return None, "bf16 on CPU only"
+        if not cpu_bf16_gemm.packable(weight):
+            return None, "shape not packable (N a multiple of 32, K even)"
+        if not cpu_bf16_gemm.available():
+            return None, "needs AVX512-BF16 and its built kernel"
+        return _bf16_gemm, None
+    if name == "fixed_order":
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            return None, "float32 or bf16 on CPU only"
+        if not cpu_fixed_order_linear.available():
+            return None, f"kernel not built ({cpu_fixed_order_linear.EXTENSION.failed})"
+        return _fixed_order, None
+    return (lambda w: _padded(w, 1)), None
+
+
+def _holding(name: str, make, weight: torch.Tensor, gen: torch.Generator):
+    """(factory, None) when kernel `name` passes the probe on `weight`, else (None, why);
+    `padded` gets the smallest row multiple that passes."""
+    if name == "padded":
+        multiple = measure_row_multiple(weight, gen)
+        if multiple is None:
+            return None, (f"the library's kernel gives a row different bits beside other "
+                          f"rows whatever row multiple up to {ROW_MULTIPLES[-1]} it is "
+                          f"padded to")
+        return (lambda w: _padded(w, multiple)), None
+    if not holds(make(weight), weight, gen):      # a bug, never a property of the CPU
+        return None, "failed the bit-for-bit probe"
+    return make, None
+
+
+def _bf16_gemm(weight: torch.Tensor) -> Kernel:
+    packed = cpu_bf16_gemm.pack(weight.detach())
+
+    def run(x, bias):
+        if not cpu_bf16_gemm.serves(x, packed):
+            x = x.contiguous()
+        return cpu_bf16_gemm.gemm(x, packed, bias)
+    return run
+
+
+def _fixed_order(weight: torch.Tensor) -> Kernel:
+    wt = cpu_fixed_order_linear.prepare(weight)
+    return lambda x, bias: cpu_fixed_order_linear.linear(x, wt, bias)
+
+
+def _padded(weight: torch.Tensor, multiple: int) -> Kernel:
+    w = weight.detach()
+    return lambda x, bias: padded_linear(x, w, bias, multiple)
+
+
+def _pool(weight: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(SIZES[-1] * 2, weight.shape[1], generator=gen).to(weight.device,
+                                                                         weight.dtype)
 
 
 @torch.inference_mode()
-def measure_row_multiple(weight: torch.Tensor, gen: torch.Generator) -> int:
-    """The smallest row multiple that gives a row the same bits wherever it sits in a call
-    of any size. Every row of every probe call is checked against the same row computed
-    alone: a different summation order shows in a bf16 output only when it moves the
-    rounding (a few rows in a hundred), so one probe row per call can miss it (it did on
-    an AVX512-BF16 CPU, where oneDNN's 1-row and 8-row kernels differ)."""
-    sizes = SIZES
-    pool = torch.randn(sizes[-1] * 2, weight.shape[1], generator=gen).to(weight.device,
-                                                                          weight.dtype)
+def holds(kernel: Kernel, weight: torch.Tensor, gen: torch.Generator) -> bool:
+    """Every row of every probe call equals the same row computed alone. A different
+    summation order shows in a bf16 output only when it moves the rounding (a few rows in
+    a hundred), so every row is checked, not one per call. Rows alone are computed as
+    they are needed, so a kernel that fails is found out within a few calls."""
+    pool = _pool(weight, gen)
+    alone: dict[int, torch.Tensor] = {}
+
+    def rows_alone(o: int, n: int) -> torch.Tensor:
+        for i in range(o, o + n):
+            if i not in alone:
+                alone[i] = kernel(pool[i:i + 1], None)[0]
+        return torch.stack([alone[i] for i in range(o, o + n)])
+    # each size starts at its own offset, so a pool row sits at many positions
+    return all(torch.equal(kernel(pool[o:o + n], None), rows_alone(o, n))
+               for n in SIZES for o in (n % SIZES[-1], SIZES[-1] - n))
+
+
+@torch.inference_mode()
+def measure_row_multiple(weight: torch.Tensor, gen: torch.Generator) -> int | None:
+    """The smallest row multiple that makes F.linear hold (`holds`), or None."""
+    w = weight.detach()
     for multiple in ROW_MULTIPLES:
-        alone = torch.stack([padded_linear(pool[i:i + 1], weight, None, multiple)[0]
-                             for i in range(pool.shape[0])])
-        # each size starts at its own offset, so a pool row sits at many positions
-        if all(torch.equal(padded_linear(pool[o:o + n], weight, None, multiple),
-                           alone[o:o + n])
-               for n in sizes for o in (n % sizes[-1], sizes[-1] - n)):
+        if holds(lambda x, bias, m=multiple: padded_linear(x, w, bias, m), weight, gen):
             return multiple
-    raise NotBatchInvariant(
-        f"batch_invariant: this CPU's {weight.dtype} matmul gives a row different bits "
-        f"depending on the rows beside it (weight {list(weight.shape)}), whatever row "
-        f"multiple up to {ROW_MULTIPLES[-1]} the calls are padded to; run without "
-        f"batch_invariant")
+    return None
+
+
+@torch.inference_mode()
+def _time(kernel: Kernel, weight: torch.Tensor, gen: torch.Generator) -> float:
+    """Seconds for one call of each TIMED_ROWS size (best of 3, after a warm-up)."""
+    total = 0.0
+    for rows in TIMED_ROWS:
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        kernel(x, None)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            kernel(x, None)
+            best = min(best, time.perf_counter() - t0)
+        total += best
+    return total
+

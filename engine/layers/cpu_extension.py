@@ -192,12 +192,14 @@ def all_extensions() -> list[CpuExtension]:
     from engine.layers import (
         cpu_bf16_gemm,
         cpu_decode_layers,
+        cpu_fixed_order_linear,
         cpu_fused_ops,
         cpu_paged_attention,
         cpu_prefill_attention,
     )
     return [cpu_paged_attention.EXTENSION, cpu_fused_ops.EXTENSION, cpu_decode_layers.EXTENSION,
-            cpu_prefill_attention.EXTENSION, cpu_bf16_gemm.EXTENSION]
+            cpu_prefill_attention.EXTENSION, cpu_bf16_gemm.EXTENSION,
+            cpu_fixed_order_linear.EXTENSION]
 
 
 def preload(options) -> dict[str, bool]:
@@ -207,11 +209,14 @@ def preload(options) -> dict[str, bool]:
     from engine.layers import (
         cpu_bf16_gemm,
         cpu_decode_layers,
+        cpu_fixed_order_linear,
         cpu_fused_ops,
         cpu_paged_attention,
         cpu_prefill_attention,
     )
-    wanted = [(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
+    wanted = [(options.batch_invariant, cpu_fixed_order_linear.EXTENSION),
+              (options.batch_invariant, cpu_bf16_gemm.EXTENSION),
+(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
               (options.cpu_fused_ops, cpu_fused_ops.EXTENSION),
               # both call into the kernels above: off with them (as the model decides)
               (options.cpu_decode_layers and options.cpu_fused_ops

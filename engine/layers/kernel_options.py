@@ -22,6 +22,9 @@ Environment switches (read only by `from_env`):
                                      a time, not the tiled prefill kernel
     PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
                                      GEMM of engine/layers/cpu_bf16_gemm.py
+    PDSERVE_BATCH_INVARIANT_LINEAR=  in batch-invariant mode, force one linear kernel
+        bf16_gemm|fixed_order|padded (engine/layers/batch_invariant.py); default auto: the
+                                     fastest that holds on this CPU
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ EPILOGUE_SILU_MUL_ENV = "PDSERVE_CPU_EPILOGUE_SILU_MUL"
 DECODE_LAYERS_ENV = "PDSERVE_CPU_DECODE_LAYERS"
 PREFILL_TILES_ENV = "PDSERVE_CPU_PREFILL_TILES"
 BF16_GEMM_ENV = "PDSERVE_CPU_BF16_GEMM"
+BATCH_INVARIANT_LINEAR_ENV = "PDSERVE_BATCH_INVARIANT_LINEAR"
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class KernelOptions:
     # reduction order, so a token's result never depends on its batch, its prompt's
     # chunking or a prefix-cache hit; and Linear without its batch-size-dependent path
     batch_invariant: bool = False
+    # batch-invariant mode's linear kernel: auto (measured at load) or a forced candidate
+    batch_invariant_linear: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
@@ -79,7 +85,8 @@ class KernelOptions:
                    cpu_epilogue_silu_mul=env.get(EPILOGUE_SILU_MUL_ENV, "1") != "0",
                    cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0",
                    cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0",
-                   cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0")
+                   cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0",
+                   batch_invariant_linear=env.get(BATCH_INVARIANT_LINEAR_ENV, "") or "auto")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:

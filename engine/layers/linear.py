@@ -55,10 +55,10 @@ FUSED_SILU_MUL_ROWS = 16
 
 class Linear(nn.Linear):
     # set per instance by the loader in batch-invariant mode (engine/layers/
-    # batch_invariant.py): a row's result must not depend on how many rows share the
-    # call, so no reroute, and every call padded to a multiple of `row_multiple` rows
-    batch_invariant = False
-    row_multiple = 1
+    # batch_invariant.py): the kernel `invariant(x, bias)` that gives a row the same bits
+    # whatever rows share the call, and its name; every call goes through it
+    invariant = None
+    invariant_name: str | None = None
     # the weight in oneDNN's blocked layout (`pack_linears`), or None
     packed: torch.Tensor | None = None
     # a fused gate/up projection: the output row where up starts (set by the MLP), and
@@ -78,7 +78,14 @@ class Linear(nn.Linear):
         """Whether the MLP's silu(gate) * up over `x` runs on cpu_bf16_gemm."""
         return _takes(x, self.gemm_silu_mul_packed)
 
+    @property
+    def batch_invariant(self) -> bool:
+        return self.invariant is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            return self.invariant(rows, self.bias).reshape(*x.shape[:-1], -1)
         if self.takes_bf16_gemm(x):
             return cpu_bf16_gemm.gemm(x, self.gemm_packed, self.bias)
         packed = self.packed
@@ -90,8 +97,6 @@ class Linear(nn.Linear):
             # after load, e.g. .float() for training features, converts its parameters
             # but not the packed tensor)
             weight = packed.to_dense().to(x.dtype)
-        if self.batch_invariant and x.dim() == 2:
-            return padded_linear(x, weight, self.bias, self.row_multiple)
         if (x.dim() == 2 and SMALL_ROWS[0] <= x.shape[0] <= SMALL_ROWS[1]
                 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and not torch.is_grad_enabled()):

@@ -93,7 +93,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
                                           if len(missing) > 8 else "")
         raise ValueError(f"model folder {folder} is missing weights: {shown}")
     if kernels.batch_invariant:
-        batch_invariant.enable(model)
+        batch_invariant.enable(model, kernels.batch_invariant_linear)
     elif kernels.cpu_packed_linear and can_pack(dtype, device):
         # the head keeps its dense weight: tied to the embedding, and the MTP draft head
         # reads it

@@ -12,13 +12,11 @@ import torch
 
 from engine.layers import cpu_bf16_gemm
 from engine.layers.linear import Linear, can_pack, pack_linears
+from tests.cpu_features import requires_avx512_bf16
 
-
-@pytest.fixture(scope="module", autouse=True)
-def usable():
-    if not cpu_bf16_gemm.available():
-        # the kernel needs AVX512-BF16; CI's machine and this one have it
-        pytest.fail(f"bf16 GEMM unusable here: {cpu_bf16_gemm.EXTENSION.failed}")
+# the kernel needs AVX512-BF16 (available exactly where the CPU has it:
+# tests/unit/test_cpu_features.py)
+pytestmark = requires_avx512_bf16
 
 
 def _sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,17 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.layers import cpu_bf16_gemm
 from engine.layers.kernel_options import BF16_GEMM_ENV, DECODE_LAYERS_ENV
-from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear
+from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, can_pack
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp
+
+# the one-call layers take oneDNN's prepacked bf16 linears, which need a CPU with native bf16
+# (AVX512-BF16 or AMX); elsewhere bf16 runs the Python layers, as the last test checks
+needs_packed_bf16 = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")),
+    reason="this CPU's oneDNN has no native bf16 (AVX2 only): no packed linears, no C++ layers")
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +71,7 @@ def _generate(llm, n: int, seed: int = 0):
                                             ("llama-tied-gqa", (0,), "1"),
                                             ("llama-tied-gqa", (), "0"),
                                             ("qwen2-gqa4", (), "0")])
+@needs_packed_bf16
 def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, gemm):
     monkeypatch.setenv(BF16_GEMM_ENV, gemm)
     folder, _ = make_tiny_model(name, root)
@@ -71,8 +79,10 @@ def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, g
     model = llm.engine.worker.model
     model.set_aux_layers(aux)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    # on: every layer linear has cpu_bf16_gemm's copy, and both paths take it
-    assert all((m.gemm_packed is not None or m.gemm_silu_mul_packed is not None) == (gemm == "1")
+    # on (and on a CPU that runs it: tests/unit/test_cpu_features.py): every layer linear
+    # has cpu_bf16_gemm's copy, and both paths take it
+    copies = gemm == "1" and cpu_bf16_gemm.available()
+    assert all((m.gemm_packed is not None or m.gemm_silu_mul_packed is not None) == copies
                for m in linears)
     served = _both_paths(model)
     outs = _generate(llm, 20)
@@ -83,6 +93,7 @@ def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, g
     assert max(sizes) >= FUSED_SILU_MUL_ROWS and min(sizes) < FUSED_SILU_MUL_ROWS, sizes
 
 
+@needs_packed_bf16
 def test_mtp_verify_rows_equal_the_python_layers(root):
     base, _ = make_tiny_model("llama-tied-gqa", root)
     folder = with_mtp(base, root / "llama-mtp")
@@ -91,7 +102,7 @@ def test_mtp_verify_rows_equal_the_python_layers(root):
     # the draft's linears have cpu_bf16_gemm's copies, as the target's do
     draft = llm.engine.speculative.draft
     assert any(isinstance(m, Linear) and m.gemm_silu_mul_packed is not None
-               for m in draft.modules())
+               for m in draft.modules()) == cpu_bf16_gemm.available()
     served = _both_paths(llm.engine.worker.model)
     _generate(llm, 6, seed=1)
     assert any(rows == 3 for _, rows in served), served

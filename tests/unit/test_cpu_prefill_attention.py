@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from engine.layers import cpu_prefill_attention
+from tests.cpu_features import requires_avx512_bf16
 
 D = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def usable():
-    if not cpu_prefill_attention.usable(torch.bfloat16, D, 1, 16):
-        # the kernel needs AVX512-BF16; CI's machine and this one have it
-        pytest.fail(f"prefill kernel unusable here: {cpu_prefill_attention.EXTENSION.failed}")
+# the kernel needs AVX512-BF16 (available exactly where the CPU has it:
+# tests/unit/test_cpu_features.py)
+pytestmark = requires_avx512_bf16
 
 
 def _case(seed, ctx, new, hq, hk, bs, width=8):

@@ -1,0 +1,16 @@
+"""On every CPU kind: the kernels that need AVX512-BF16 are available exactly where the CPU
+has it (a g++ that can build them is part of `make test`'s setup), and where it is missing
+the model's layers take the other path."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import cpu_bf16_gemm, cpu_prefill_attention
+from tests.cpu_features import has_avx512_bf16
+
+
+def test_kernels_are_available_exactly_where_the_cpu_has_the_isa():
+    assert cpu_bf16_gemm.available() == has_avx512_bf16(), cpu_bf16_gemm.EXTENSION.failed
+    assert cpu_prefill_attention.usable(torch.bfloat16, 64, 1, 16) == has_avx512_bf16(), \
+        cpu_prefill_attention.EXTENSION.failed
