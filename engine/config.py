@@ -31,8 +31,9 @@ class EngineConfig:
     graph_max_seq_len: int | None = None        # block-table width of the graphs (longer
                                                 # sequences run eagerly); None: max_model_len
     graph_warmup_batch_sizes: tuple[int, ...] = ()    # capture these buckets at start
-    # speculative decoding (seed section 6): None | "mtp"; the draft comes from the model
-    # folder (num_nextn_predict_layers >= 1) or from speculative_model (a draft folder)
+    # speculative decoding (docs/ARCHITECTURE.md, 'The execution trunk', step 8): None | "mtp";
+    # the draft comes from the model folder (num_nextn_predict_layers >= 1) or from
+    # speculative_model (a draft folder)
     speculative_method: str | None = None
     num_speculative_tokens: int = 1
     speculative_model: str | None = None

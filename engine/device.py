@@ -63,7 +63,8 @@ class CpuGraph:
 
 class DeviceCaptureLock:
     """Held across prepare (H2D on the prepare stream) while graphs are on, and across
-    each capture, so an asynchronous copy never lands inside a capture (seed section 7).
+    each capture, so an asynchronous copy never lands inside a capture
+    (docs/ARCHITECTURE.md, 'The execution trunk', step 3).
     A capture in "global" mode fails on any work queued from another thread."""
 
     def __init__(self):

@@ -1,9 +1,9 @@
 """ForwardInput and AttentionMetadata: everything one forward step needs, as tensors.
 
 Built on the host by BatchInputBuilder, moved to the device in one `to(device)` call on
-the prepare stream (seed sections 2.3 and 3). Host-side integers needed for Python
-control flow (counts, per-sequence lengths) travel as plain ints/lists so the forward
-never syncs on a device tensor to read them.
+the prepare stream (docs/ARCHITECTURE.md, 'The execution trunk', steps 2.5 and 3).
+Host-side integers needed for Python control flow (counts, per-sequence lengths) travel
+as plain ints/lists so the forward never syncs on a device tensor to read them.
 
 Row order: decode sequences first, then prefill sequences, then padding rows.
 """

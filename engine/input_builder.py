@@ -1,4 +1,5 @@
-"""BatchInputBuilder: a scheduled batch -> host ForwardInput (seed section 2).
+"""BatchInputBuilder: a scheduled batch -> host ForwardInput
+(docs/ARCHITECTURE.md, 'The execution trunk', step 2).
 
 build_forward_input
   process_sequences            per-sequence host vectors (thread pool above a threshold,
@@ -10,8 +11,9 @@ build_forward_input
   padding_decode_batch_size    pad a decode batch up to min_decoding_batch_size
   state_to_forward_input       host vectors -> ForwardInput (CPU tensors)
 
-Unlike the seed, the builder does not advance n_kv_cache_tokens: the scheduler does so
-after the step, from what was actually computed (and, with speculation, accepted).
+Unlike the design the trunk follows, the builder does not advance n_kv_cache_tokens: the
+scheduler does so after the step, from what was actually computed (and, with speculation,
+accepted).
 """
 
 from __future__ import annotations

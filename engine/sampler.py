@@ -1,4 +1,5 @@
-"""Sampler: logits of the selected rows -> next tokens (+ logprobs), per the seed's section 5.
+"""Sampler: logits of the selected rows -> next tokens (+ logprobs)
+(docs/ARCHITECTURE.md, 'The execution trunk', step 6).
 
 Order: penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> sample -> logprobs.
 Everything is batched over rows; the only Python loop is over seeded rows' generators. No

@@ -1,4 +1,5 @@
-"""Worker: step -> prepare_work_before_execute -> step_internal (seed sections 1, 3).
+"""Worker: step -> prepare_work_before_execute -> step_internal
+(docs/ARCHITECTURE.md, 'The execution trunk', steps 3-6).
 
 prepare_work_before_execute moves the whole ForwardInput to the device on the prepare
 stream and records an event; step_internal makes the forward stream wait on that event,
@@ -38,7 +39,8 @@ class Worker:
         self.prepare_stream = device.new_stream()
 
     def prepare_work_before_execute(self, fi: ForwardInput) -> PreparedInput:
-        # with graphs on, no H2D copy may be queued while a capture is in progress (seed 7)
+        # with graphs on, no H2D copy may be queued while a capture is in progress (the
+        # capture lock of docs/ARCHITECTURE.md, 'The execution trunk', step 3)
         with self.device.capture_lock.held_if(self.graphs_on), \
                 self.device.stream(self.prepare_stream):
             moved = fi.to(self.device.torch_device)

@@ -1,4 +1,5 @@
-"""Eager executor (seed 4.1): run the model directly on the ForwardInput."""
+"""Eager executor: run the model directly on the ForwardInput
+(docs/ARCHITECTURE.md, 'The execution trunk', step 4.1)."""
 
 from __future__ import annotations
 

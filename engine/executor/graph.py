@@ -1,5 +1,6 @@
-"""Graph-replayed decode (seed section 4.2): capture on a bucket key's first sight, replay
-through persistent buffers afterwards, eager for everything a graph cannot hold.
+"""Graph-replayed decode (docs/ARCHITECTURE.md, 'The execution trunk', step 4.2): capture on a
+bucket key's first sight, replay through persistent buffers afterwards, eager for
+everything a graph cannot hold.
 
 forward(fi)
   plan                 a fallback reason (counted, eager) or the bucket's GraphKey

@@ -1,10 +1,11 @@
 """What shapes the decode graphs have: bucket sizes, graph keys, the executor's options.
 
-Seed section 4.2: batches are bucketed by size into 1 / 2 / 4 / 8, then the next
-multiple of 16; with padding off every real size gets its own graph. Buckets count
-sequences (rows of the block table); a key's token count is sequences x tokens per
-sequence, which is 1 for plain decode and k+1 for a speculative verify of k drafts, so a
-verify batch keeps whole sequences together and is bucketed the same way.
+docs/ARCHITECTURE.md, 'The execution trunk', step 4.2: batches are bucketed by size into 1 / 2 / 4 /
+8, then the next multiple of 16; with padding off every real size gets its own graph.
+Buckets count sequences (rows of the block table), where the design the trunk follows
+counts tokens: a key's token count is sequences x tokens per sequence, which is 1 for
+plain decode and k+1 for a speculative verify of k drafts, so a verify batch keeps whole
+sequences together and is bucketed the same way.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Persistent input/output buffers of the decode graphs (seed section 4.2).
+"""Persistent input/output buffers of the decode graphs
+(docs/ARCHITECTURE.md, 'The execution trunk', step 4.2).
 
 Allocated once at the largest bucket; every graph is captured over views of these
 tensors, so a replay only has to copy the live batch into the same addresses (the

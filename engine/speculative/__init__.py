@@ -1,4 +1,5 @@
-"""Speculative decoding (seed section 6): methods by name, imported lazily."""
+"""Speculative decoding (docs/ARCHITECTURE.md, 'The execution trunk', step 8): methods by name,
+imported lazily."""
 
 from __future__ import annotations
 

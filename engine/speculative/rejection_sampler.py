@@ -1,4 +1,5 @@
-"""Rejection sampling of draft tokens against the target (seed section 6), batched.
+"""Rejection sampling of draft tokens against the target, batched
+(docs/ARCHITECTURE.md, 'The execution trunk', step 8.3).
 
 Per sequence b with num_drafts[b] <= K drafts d_1..d_k, the target's distributions p_0..p_k
 (row j scores the token after d_j; row 0 the token after the current one) and the draft's

@@ -7,10 +7,11 @@ context plus the causal run). When every run has the same length Q > 1 (a verify
 all sequences draft k tokens: Q = k+1), all runs are decode-like rows instead, Q per
 sequence (num_decode_tokens = B*Q): the batched decode attention handles the causal
 offset, and the graph executor replays the batch under GraphKey(bucket*Q, Q). Rows keep
-the seed's order (decodes first); `layout` says where each run landed.
+the builder's order (decodes first); `layout` says where each run landed.
 
-The verify input is the seed's placeholder form: [current, -1, -2, ...] per sequence, the
-placeholders then replaced by the draft tokens (`fill_placeholders`).
+The verify input is the placeholder form of docs/ARCHITECTURE.md, 'The execution trunk', step 8.2:
+[current, -1, -2, ...] per sequence, the placeholders then replaced by the draft tokens
+(`fill_placeholders`).
 A sequence drafting fewer tokens than the batch's most (max_tokens or max_model_len near,
 no hidden states to draft from) gets padding rows in front of its run, so every verify
 batch is uniform: a padding row is token 0 at the run's first position, its K/V written to

@@ -1,6 +1,6 @@
 """SpeculativeWorker: holds the target Worker; `step` dispatches on empty / prefill / decode
-(seed section 6). Subclasses (MTPWorker) supply the draft: `propose` and the hooks that
-feed it the target's hidden states.
+(docs/ARCHITECTURE.md, 'The execution trunk', step 8). Subclasses (MTPWorker) supply the draft:
+`propose` and the hooks that feed it the target's hidden states.
 
 decode step:  propose (k draft tokens + their probabilities per sequence)
               -> verify: k+1 rows per sequence ([current, -1, -2, ...] with the
