@@ -26,7 +26,7 @@ final norm, or (--init) as a head trained before. The result is a small safetens
 under DeepSeek-V3 keys (model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
 The shipped head was grown in stages, each continuing the one before with --init (the
-commands and the measured costs are in docs/PERFORMANCE.md, "Speculative decoding
+commands and the measured costs are in docs/perf/HISTORY.md, "Speculative decoding
 (MTP)"): chat parts 1-3 from the target's last layer (5 epochs, ~55 min); two epochs on
 parts 1 and 4 (~30 min); two epochs on parts 1, 4 and 5 at --lr 1e-3 (~35 min with part
 5's corpus and features); one epoch at --lr 5e-4 with --step3-weight 0.3 and one more
