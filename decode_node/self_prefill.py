@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster.request_timing import RequestTimer
-from cluster.rpc_status import RpcFailure
-from decode_node.streams import StreamTable
+from decode_node.streams import StreamTable, relay
 from engine.commands import AbortRequest, AddRequest
 from engine.sampling_params import SamplingParams
 from protos import node_pb2
@@ -46,19 +45,9 @@ async def stream_self_prefill(engine, streams: StreamTable, request_id: str,
         except ValueError as exc:
             finished = True          # never added: nothing to abort
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        while True:
-            item = await stream.queue.get()
-            if isinstance(item, RpcFailure):
-                finished = True
-                await item.abort(context)
-            timer.tokens(len(item.token_ids), self_prefilled=True)
-            if item.finish_reason:
-                timer.finished(item.finish_reason)
-            yield node_pb2.DecodeEvent(tokens=item)
-            if item.finish_reason:
-                finished = True
-                return
+        async for event in relay(stream, context, timer, self_prefilled=True):
+            yield event
     finally:
         streams.close(request_id)
-        if not finished:             # the caller went away: stop computing for it
+        if not (finished or stream.relayed_end):   # the caller went away: stop computing
             engine.submit(AbortRequest(request_id))

@@ -37,7 +37,7 @@ from cluster.proto_convert import fingerprint_from_proto, fingerprint_to_proto, 
 from cluster.request_timing import RequestTimer
 from cluster.rpc_status import DECODE, PREFILL, RpcFailure
 from decode_node.self_prefill import AGGREGATED, stream_self_prefill
-from decode_node.streams import StreamTable
+from decode_node.streams import StreamTable, relay
 from engine.commands import AbortRequest
 from engine.pd_decode import (
     CapacityError,
@@ -184,22 +184,13 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
                 lease_ms=int(round(res.lease_s * 1000)),     # granted, after the cap
                 fingerprint=fingerprint_to_proto(self.fingerprint),
                 push_token=res.token))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, RpcFailure):
-                    finished = True      # the reservation is already released
-                    await item.abort(context)
-                timer.tokens(len(item.token_ids), self_prefilled=False)
-                if item.finish_reason:
-                    timer.finished(item.finish_reason)
-                yield node_pb2.DecodeEvent(tokens=item)
-                if item.finish_reason:
-                    finished = True
-                    return
+            # a failure relayed here comes after the reservation was already released
+            async for event in relay(stream, context, timer, self_prefilled=False):
+                yield event
         finally:
             self.streams.close(rid)
-            if not finished:             # the caller went away (or we failed): free it
-                self._cancel(rid, reserving)
+            if not (finished or stream.relayed_end):   # the caller went away (or we
+                self._cancel(rid, reserving)            # failed): free it
 
     def _cancel(self, request_id: str, reserving: Future | None) -> None:
         def release(fut: Future) -> None:
