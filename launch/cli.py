@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module, listed in SUBCOMMANDS (name -> module). Such a
 module provides `HELP` (one line), `add_arguments(parser)` and `run(args) -> int` (the exit
-status); its docstring is the subcommand's description. Modules are imported when the
+status); its `__doc__` is the subcommand's description (the node commands build theirs and
+their `run` with launch/commands/node_options.py). Modules are imported when the
 parser is built, so they must keep top-level imports light (import torch, grpc etc. inside
 `run`). Flags of the serving commands also read env variables (PDSERVE_ETCD, PDSERVE_CLUSTER,
 ...; see launch/cli_common.py).

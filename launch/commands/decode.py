@@ -1,16 +1,15 @@
-"""`pdserve decode`: a decode node of PD PUSH mode: gRPC server (health, reflection), engine
-loop in its own thread, registration in etcd under /pdserve/<cluster>/nodes/decode/<node_id>.
-SIGTERM drains: deregister, finish what is in flight, exit."""
-
 from __future__ import annotations
 
 import argparse
 
 from cluster.kv_transfer.limits import TcpLimits
 from launch.cli_common import env_argument
-from launch.commands.node_options import add_node_arguments
+from launch.commands.node_options import add_node_arguments, node_doc, node_runner
 
+# `pdserve decode`: the description --help shows, and the one-line help
+__doc__ = node_doc("decode", "a decode node of PD PUSH mode")
 HELP = "run a decode node"
+run = node_runner("decode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,9 +40,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  metavar="N",
                  help="gRPC PushKv streams served at once; more are answered "
                       "RESOURCE_EXHAUSTED (0: twice --max-num-seqs, at least 64)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from launch.node_main import run_node
-
-    return run_node("decode", args)

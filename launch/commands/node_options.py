@@ -1,8 +1,10 @@
-"""Flags shared by `pdserve prefill` and `pdserve decode` (each also read from an env var)."""
+"""What the node commands (`pdserve prefill`, `decode`, `aggregated`) share: their flags
+(each also read from an env var), the frame of their description and their `run`."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from launch.cli_common import (
     add_etcd_access_arguments,
@@ -11,6 +13,26 @@ from launch.cli_common import (
     env_argument,
     env_flag,
 )
+
+
+def node_doc(role: str, what: str, services: str = "health, reflection",
+             more: str = "") -> str:
+    """A node command's description (its module's __doc__, which `pdserve ROLE --help`
+    shows): `what` the node is, inside what every node does and how it stops."""
+    return (f"`pdserve {role}`: {what}: gRPC server ({services}), engine loop in its own "
+            f"thread, registration in etcd under /pdserve/<cluster>/nodes/{role}/<node_id>. "
+            f"{more}SIGTERM drains: deregister, finish what is in flight, exit.")
+
+
+def node_runner(role: str) -> Callable[[argparse.Namespace], int]:
+    """A node command's `run(args)`. The node's main is imported only when it runs: the
+    CLI imports every command module to build its parser, and the node pulls in torch."""
+    def run(args: argparse.Namespace) -> int:
+        from launch.node_main import run_node
+
+        return run_node(role, args)
+
+    return run
 
 
 def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int) -> None:

@@ -1,15 +1,14 @@
-"""`pdserve prefill`: a prefill node of PD PUSH mode: gRPC server (health, reflection), engine
-loop in its own thread, registration in etcd under /pdserve/<cluster>/nodes/prefill/<node_id>.
-SIGTERM drains: deregister, finish what is in flight, exit."""
-
 from __future__ import annotations
 
 import argparse
 
 from launch.cli_common import env_argument
-from launch.commands.node_options import add_node_arguments
+from launch.commands.node_options import add_node_arguments, node_doc, node_runner
 
+# `pdserve prefill`: the description --help shows, and the one-line help
+__doc__ = node_doc("prefill", "a prefill node of PD PUSH mode")
 HELP = "run a prefill node"
+run = node_runner("prefill")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,9 +29,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  metavar="HOST:PORT,...",
                  help="without etcd (--etcd none): the decode nodes this node may push KV "
                       "to (with etcd: the decode nodes registered there)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from launch.node_main import run_node
-
-    return run_node("prefill", args)
