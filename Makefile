@@ -1,5 +1,6 @@
 # The two commands of the README: `make test` (ruff, the layering contracts of
-# pyproject.toml's [tool.importlinter], pytest) and `make up`.
+# pyproject.toml's [tool.importlinter], clang-format on engine/csrc, the C++ kernels' build,
+# pytest) and `make up`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,9 +18,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+CSRC := $(wildcard engine/csrc/cpu/*.cpp engine/csrc/cpu/*.h)
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/clang-format --dry-run --Werror $(CSRC)
 	$(BIN)/python -m engine.layers.cpu_extension
 	$(BIN)/python -m pytest tests
 
@@ -30,6 +34,7 @@ up: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/clang-format --dry-run --Werror $(CSRC)
 
 # 30 minutes of mixed HTTP/gRPC load on a supervised 2P2D cluster with random faults
 # (bench/soak.py; docs/RELIABILITY.md "Soak"): fails unless 0 requests failed, every text

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -185,6 +185,14 @@ class NodeMetrics:
             r.register(_ReservationCollector(receiver, lv))
         if core_share is not None:
             r.register(_CoreShareCollector(core_share, lv))
+        device = getattr(engine, "device", None)
+        if getattr(device, "is_cpu", False):
+            from engine.layers.cpu_extension import kernel_report
+            usable = Gauge("pdserve_cpu_kernel_usable", "1 when a C++ CPU kernel family is "
+                           "built and runs on this CPU, 0 when the torch path stands in",
+                           [*LABELS, "kernel"], registry=r)
+            for what, ok in kernel_report().items():
+                usable.labels(role, node_id, what).set(1 if ok else 0)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)

@@ -1,5 +1,6 @@
 """LLMEngine: owns the model, KV cache, scheduler, builder and worker; one `step()` runs
-schedule -> build_forward_input -> Worker.step -> postprocess (seed section 0).
+schedule -> build_forward_input -> Worker.step -> postprocess (docs/ARCHITECTURE.md, "The
+execution trunk").
 
 Its boundary is small (engine/commands.py): other threads submit typed commands (add,
 abort, finish, reserve / free / admit a PD-prefilled sequence), which `run_once` applies

@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": "launch.commands.generate",
     "offline": "launch.commands.offline",
     "certs": "launch.commands.certs",
+    "kernels": "launch.commands.kernels",
 }
 
 EXIT_USAGE = 2

@@ -102,8 +102,13 @@ def load_kernels(device: str) -> dict[str, bool]:
         loaded = preload(options)
     except (KernelBuildLockTimeout, ValueError) as exc:
         raise CliError(str(exc)) from None
+    from engine.layers.cpu_extension import KERNELS
+    if KERNELS.failed is not None:      # loud: a node that serves slower must say why
+        log.error("CPU kernels could not be built (%s): every kernel family runs the slower "
+                  "torch path; `pdserve kernels` shows the build's errors", KERNELS.failed)
     for what, ok in loaded.items():
-        log.info("%s: %s", what, "loaded" if ok else "unavailable, the torch path runs")
+        log.info("%s: %s", what, "loaded" if ok else "not on this CPU or not built; the "
+                 "torch path runs")
     return loaded
 
 

@@ -18,10 +18,12 @@ Xeon. So each Linear gets one of these kernels, chosen at load on the model's ow
 
 Every candidate that runs here is checked by the same probe (rows alone against the same
 rows in calls of many sizes at many offsets, bit for bit); among those that pass, the
-fastest on the weight (timed over a decode-sized and a prefill-sized call) is taken. The
-choice is logged. PDSERVE_BATCH_INVARIANT_LINEAR=<name> (KernelOptions) forces one
-candidate; a forced candidate that cannot run or does not hold here is a clear error, as
-is a CPU where none holds.
+fastest on the weight (timed over a decode-sized and a prefill-sized call) is taken, once
+a machine: the choice is kept (engine/layers/kernel_choice.py) so every process, every
+node and every later start takes the same kernel, and logged.
+PDSERVE_BATCH_INVARIANT_LINEAR=<name> (KernelOptions) forces one candidate; a forced
+candidate that cannot run or does not hold here is a clear error, as is a CPU where none
+holds.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.layers import cpu_bf16_gemm, cpu_fixed_order_linear
+from engine.layers import cpu_bf16_gemm, cpu_extension, cpu_fixed_order_linear, kernel_choice
 from engine.layers.linear import Linear, padded_linear
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,44 @@ def enable(model: torch.nn.Module, choice: str = AUTO) -> dict[tuple, str]:
 def select(weight: torch.Tensor, gen: torch.Generator, choice: str = AUTO
            ) -> tuple[str, Callable[[torch.Tensor], Kernel]]:
     """(name, factory of the kernel for a weight of this shape): the forced `choice`, or
-    the fastest candidate that holds on this CPU. Candidates are timed first and probed
-    fastest first, so a load probes one kernel where the fastest holds (the probe costs
-    hundreds of calls; the LM head's are the dearest)."""
-    names = CANDIDATES if choice == AUTO else (choice,)
+    the fastest candidate that holds on this CPU. The automatic choice is measured once a
+    machine and kept (engine/layers/kernel_choice.py): every process must take the same
+    kernel, or two engines' bf16 tokens could differ by which one was faster at start."""
+    if choice != AUTO:
+        return _measure(weight, gen, (choice,))
+    key = (f"batch_invariant_linear {list(weight.shape)} {weight.dtype} "
+           f"{cpu_extension.KERNELS.build_name()}")
+    found: dict[str, tuple[str, Callable]] = {}
+
+    def measure() -> str:
+        found["pick"] = _measure(weight, gen, CANDIDATES)
+        return found["pick"][0]
+
+    def still_valid(name: str) -> bool:
+        return name in CANDIDATES and _pick(name, weight, gen, found)
+
+    name = kernel_choice.CHOICES.choose(key, measure, still_valid)
+    if "pick" not in found or found["pick"][0] != name:
+        if not _pick(name, weight, gen, found):      # kept in this process, then broken
+            raise NotBatchInvariant(f"batch_invariant: the kept choice {name} no longer "
+                                    f"holds for weight {list(weight.shape)}")
+    return found["pick"]
+
+
+def _pick(name: str, weight: torch.Tensor, gen: torch.Generator, found: dict) -> bool:
+    """Whether candidate `name` runs and holds here; if so it is found["pick"]."""
+    make, _ = _runnable(name, weight)
+    if make is not None:
+        make, _ = _holding(name, make, weight, gen)
+    if make is None:
+        return False
+    found["pick"] = (name, make)
+    return True
+
+
+def _measure(weight: torch.Tensor, gen: torch.Generator, names: tuple[str, ...]
+             ) -> tuple[str, Callable[[torch.Tensor], Kernel]]:
+    """Time the candidates that run here, probe them fastest first; the first that holds."""
     runnable, why = {}, {}
     for name in names:
         make, reason = _runnable(name, weight)

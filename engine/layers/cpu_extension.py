@@ -1,31 +1,39 @@
-"""Small C++ CPU kernels built on first use with torch's cpp_extension (g++ and ninja),
-cached under ~/.cache/torch_extensions, with a torch fallback when they cannot be built.
+"""The C++ CPU kernels: one extension built on first use from engine/csrc/cpu/*.cpp (g++
+and ninja), cached under ~/.cache/torch_extensions, its ops registered as
+torch.ops.pdserve.* (engine/csrc/cpu/bindings.cpp), with a torch fallback when it cannot
+be built.
 
-Each kernel module (engine/layers/cpu_paged_attention.py, engine/layers/cpu_fused_ops.py)
-declares one CpuExtension; `load()` builds or loads it once per process and returns the
-compiled module, or None with the reason kept in `failed` and logged once (no compiler,
-no ninja, a build error). Whether a model uses a kernel is not decided here: the model's
-layers take a KernelOptions value at construction (engine/layers/kernel_options.py, where
-the environment switches are read) and load only the kernels it turns on.
+The sources are real files: `ops.h` declares every kernel's entry point, `vec.h` holds
+what they share (bf16 conversion, the exp polynomial), one file per kernel family, and
+`bindings.cpp` the op schemas. Each file is compiled with its own floating-point flags
+(SOURCES below: the attention kernels with -ffast-math, the fused ops and the fixed-order
+linear with -ffp-contract=off, which their bit-exactness needs) and all are linked into one
+.so, so the one-call decode layers call the other kernels as declared functions. We write
+the build.ninja ourselves (torch's cpp_extension gives one set of flags to every file) and
+load the result with torch.ops.load_library. The build folder's name carries the CPU
+capability and a hash of the sources, the flags and the torch install, so another source
+or torch never loads a stale build, and the runtime switches (PDSERVE_CPU_*) never change
+what is built. `compile_commands.json` is written into the build folder, and
+`python -m engine.layers.cpu_extension --compile-commands` copies it to the repository
+root for clangd.
 
     python -m engine.layers.cpu_extension
 
-builds every kernel in one process: `make test` and `make up` run it first, so the nodes
-and test processes that start together later only load the builds (never race to build).
+builds (or loads) it in one process: `make test` and `make up` run it first, so the nodes
+and test processes that start together later only load the build (never race to build).
 A node loads its kernels before it serves (launch/node_main.py), so a build never lands
-on live requests.
+on live requests. Each kernel module (engine/layers/cpu_*.py) holds a `KernelFamily` view
+of the one extension: `load()` returns the ops namespace or None, `failed` the reason.
+Whether a model uses a kernel is not decided here: the model's layers take a
+KernelOptions value at construction (engine/layers/kernel_options.py).
 
 Builds cannot hang a process (docs/RELIABILITY.md):
-- a build directory belongs to one source and one torch install: its name carries a hash
-  of both. Two checkouts or venvs sharing ~/.cache/torch_extensions under one name rewrote
-  each other's build.ninja, so every process start rebuilt (minutes on a busy machine);
-- builds of one extension are serialised by an flock on `pdserve-build.lock` in its
-  build directory, waited on for at most `build_lock_timeout` (PDSERVE_KERNEL_BUILD_TIMEOUT,
-  600 s) and then refused with KernelBuildLockTimeout naming the lock and its holder. The
-  kernel releases an flock when its holder dies, so a killed build never blocks the next;
-- torch's own lock (a FileBaton: an empty `lock` file, waited on forever, left behind when
-  its holder is killed) found while holding the flock belongs to a dead process, since
-  every builder holds the flock: it is removed.
+- builds are serialised by an flock on `pdserve-build.lock` in the build directory,
+  waited on for at most `build_lock_timeout` (PDSERVE_KERNEL_BUILD_TIMEOUT, 600 s) and
+  then refused with KernelBuildLockTimeout naming the lock and its holder. The kernel
+  releases an flock when its holder dies, so a killed build never blocks the next;
+- a `lock` file left in the build directory (torch's FileBaton, from older builds) found
+  while holding the flock belongs to a dead process: it is removed.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sysconfig
 import threading
 import time
@@ -49,77 +58,159 @@ log = logging.getLogger(__name__)
 BUILD_TIMEOUT_ENV = "PDSERVE_KERNEL_BUILD_TIMEOUT"
 BUILD_LOCK_TIMEOUT_S = 600.0    # a build takes 1-5 min on a busy 2-core machine
 LOCK_NAME = "pdserve-build.lock"
+CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+LIBRARY = "pdserve_cpu.so"
+# each source and its own flags, on top of COMMON_FLAGS
+SOURCES = {
+    "paged_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
+    "prefill_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
+    "fused_ops.cpp": ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
+    "bf16_gemm.cpp": ["-fno-math-errno"],
+    "decode_layers.cpp": ["-fno-math-errno"],
+    "fixed_order_linear.cpp": ["-ffp-contract=off"],
+    "bindings.cpp": [],
+}
+HEADERS = ("ops.h", "vec.h")
+# -march=native: the build is for this CPU (the folder name carries its capability);
+# PDSERVE_CPU_MARCH=<arch> builds for a named target instead (a container image built for
+# its target ISA: deploy/docker/Dockerfile), and the folder name carries that.
+MARCH_ENV = "PDSERVE_CPU_MARCH"
+# -fopenmp links libgomp.so.1, which in a process that imported torch first resolves to
+# torch's own copy (one runtime in /proc/self/maps): worth it for big calls, but a
+# parallel region in a small call waits for a second thread to be scheduled (ms on a
+# loaded box), so kernels keep small calls inline
+COMMON_FLAGS = ["-O3", "-fPIC", "-std=c++20", "-fopenmp"]
+
+
+def march() -> str:
+    value = os.environ.get(MARCH_ENV, "").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError(f"{MARCH_ENV} must name a -march target, got {value!r}")
+    return value
 
 
 class KernelBuildLockTimeout(RuntimeError):
     """Another live process held the build lock for longer than the bound."""
 
 
-class CpuExtension:
-    def __init__(self, name: str, source: str, functions: list[str], cflags: list[str],
-                 what: str, openmp: bool = True):
-        self.name = name                # versioned: bump it when the source changes
-        self.source = source
-        self.functions = functions
-        self.cflags = cflags
-        self.what = what                # for log lines
-        # -fopenmp links libgomp.so.1, which in a process that imported torch first
-        # resolves to torch's own copy (one runtime in /proc/self/maps): worth it for big
-        # calls, but a parallel region in a small call waits for a second thread to be
-        # scheduled (ms on a loaded box), so kernels keep small calls inline
-        self.openmp = openmp
-        self.module = None
+class CpuKernels:
+    """The one extension: build (or load) once per process, then its ops namespace."""
+
+    def __init__(self, csrc: Path = CSRC, sources: dict[str, list[str]] | None = None,
+                 headers: tuple[str, ...] = HEADERS, namespace: str = "pdserve"):
+        self.csrc = csrc
+        self.sources = SOURCES if sources is None else sources
+        self.headers = headers
+        self.namespace = namespace
+        self.ops = None                 # torch.ops.<namespace> once loaded
         self.failed: str | None = None
         self._lock = threading.Lock()
 
     def build_name(self) -> str:
-        """`name`_`cpu capability`_`hash of the source, flags and torch install`: the
-        -march=native build is for this CPU (a cache shared between different CPUs never
-        loads a foreign build), and another checkout or venv builds in its own folder."""
-        cap = torch.backends.cpu.get_cpu_capability().lower()
-        key = "\0".join([self.source, *self.cflags, str(self.openmp), torch.__version__,
-                         os.path.dirname(torch.__file__)])
-        return f"{self.name}_{cap}_{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        """pdserve_cpu_<cpu capability or -march target>_<hash of the sources, flags and
+        torch install>."""
+        arch = march()
+        cap = torch.backends.cpu.get_cpu_capability().lower() if arch == "native" else arch
+        h = hashlib.sha256()
+        for name in sorted([*self.sources, *self.headers]):
+            h.update(name.encode() + b"\0" + (self.csrc / name).read_bytes() + b"\0")
+        h.update("\0".join([*COMMON_FLAGS, arch, repr(sorted(self.sources.items())),
+                            torch.__version__, os.path.dirname(torch.__file__)]).encode())
+        return f"pdserve_cpu_{cap}_{h.hexdigest()[:12]}"
+
+    def build_dir(self) -> Path:
+        from torch.utils.cpp_extension import _get_build_directory
+        return Path(_get_build_directory(self.build_name(), verbose=False))
 
     def load(self, build_lock_timeout: float | None = None):
-        """The compiled module, or None when it cannot be built here (reason logged once).
-        Raises KernelBuildLockTimeout when another process's build holds the lock longer
-        than `build_lock_timeout` (default: $PDSERVE_KERNEL_BUILD_TIMEOUT or 600 s)."""
-        if self.module is not None or self.failed is not None:
-            return self.module
+        """torch.ops.<namespace>, or None when the extension cannot be built here (the
+        reason in `failed`, logged once as an error). Raises KernelBuildLockTimeout when
+        another process's build holds the lock longer than `build_lock_timeout` (default:
+        $PDSERVE_KERNEL_BUILD_TIMEOUT or 600 s)."""
+        if self.ops is not None or self.failed is not None:
+            return self.ops
         with self._lock:
-            if self.module is not None or self.failed is not None:
-                return self.module
-            _find_ninja()
-            name = self.build_name()
+            if self.ops is not None or self.failed is not None:
+                return self.ops
             try:
-                from torch.utils.cpp_extension import _get_build_directory, load_inline
-
-                build_dir = Path(_get_build_directory(name, verbose=False))
+                build_dir = self.build_dir()
             except Exception as exc:   # noqa: BLE001 - no cpp_extension: the torch path
                 self.failed = f"{type(exc).__name__}: {exc}"
-                log.warning("%s unavailable (%s)", self.what, self.failed)
+                log.error("CPU kernels unavailable (%s); the slower torch path runs",
+                          self.failed)
                 return None
             timeout = lock_timeout() if build_lock_timeout is None else build_lock_timeout
-            with build_lock(build_dir, timeout, self.what):
+            with build_lock(build_dir, timeout, "CPU kernels"):
                 try:
-                    log.info("%s: building it, or loading the cached build", self.what)
-                    self.module = load_inline(
-                        name=name, cpp_sources=[self.source], functions=self.functions,
-                        extra_cflags=["-O3", "-march=native", *self.cflags,
-                                      *(["-fopenmp"] if self.openmp else [])],
-                        extra_ldflags=["-fopenmp"] if self.openmp else [], verbose=False)
-                except Exception as exc:   # no compiler, no ninja, a build error: torch path
-                    self.failed = (f"{type(exc).__name__}: "
-                                   f"{str(exc).strip().splitlines()[-1:]}")
-                    log.warning("%s unavailable (%s); the slower torch path runs instead",
-                                self.what, self.failed)
-        return self.module
+                    library = build_dir / LIBRARY
+                    if not library.exists():
+                        log.info("CPU kernels: building %s (a few minutes, once)", build_dir)
+                        self._build(build_dir)
+                    torch.ops.load_library(str(library))
+                    self.ops = getattr(torch.ops, self.namespace)
+                except Exception as exc:   # no compiler, no ninja, a build error
+                    self.failed = _short(exc)
+                    log.error("CPU kernels unavailable (%s); the slower torch path runs "
+                              "instead", self.failed)
+        return self.ops
+
+    def _build(self, build_dir: Path) -> None:
+        from torch.utils.cpp_extension import include_paths, library_paths
+        _find_ninja()
+        includes = " ".join(f"-isystem {p}" for p in include_paths())
+        lines = ["ninja_required_version = 1.3", "cxx = c++",
+                 f"cflags = {' '.join(COMMON_FLAGS)} -march={march()} -I{self.csrc} "
+                 f"{includes}",
+                 f"ldflags = -shared -fopenmp -L{library_paths()[0]} -lc10 -ltorch_cpu -ltorch",
+                 "rule compile",
+                 "  command = $cxx -MMD -MF $out.d $cflags $extra -c $in -o $out",
+                 "  depfile = $out.d", "  deps = gcc",
+                 "rule link", "  command = $cxx $in $ldflags -o $out"]
+        objects = []
+        for name, flags in self.sources.items():
+            obj = name.replace(".cpp", ".o")
+            objects.append(obj)
+            lines += [f"build {obj}: compile {self.csrc / name}",
+                      f"  extra = {' '.join(flags)}"]
+        lines += [f"build {LIBRARY}: link {' '.join(objects)}", f"default {LIBRARY}", ""]
+        (build_dir / "build.ninja").write_text("\n".join(lines))
+        done = subprocess.run(["ninja", "-C", str(build_dir)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the build failed:\n{done.stdout[-4000:]}{done.stderr[-2000:]}")
+        compdb = subprocess.run(["ninja", "-C", str(build_dir), "-t", "compdb", "compile"],
+                                capture_output=True, text=True)
+        if compdb.returncode == 0:
+            (build_dir / "compile_commands.json").write_text(compdb.stdout)
 
     def reset(self) -> None:
-        """Forget the build and any failure (tests switch a kernel off and on again)."""
+        """Forget a failure (tests simulate one and restore the extension afterwards)."""
         with self._lock:
-            self.module, self.failed = None, None
+            self.failed = None
+
+
+class KernelFamily:
+    """One kernel module's view of the one extension (its name in log lines and reports)."""
+
+    def __init__(self, what: str, kernels: CpuKernels | None = None):
+        self.what = what
+        self.kernels = KERNELS if kernels is None else kernels
+
+    def load(self, build_lock_timeout: float | None = None):
+        return self.kernels.load(build_lock_timeout)
+
+    @property
+    def failed(self) -> str | None:
+        return self.kernels.failed
+
+
+def _short(exc: Exception) -> str:
+    """The exception and the lines of a compiler's output that say what went wrong."""
+    text = str(exc).strip()
+    errors = [line for line in text.splitlines() if "error" in line.lower()]
+    return f"{type(exc).__name__}: " + ("; ".join(errors[:3]) if errors else text[-500:])
+
+
+KERNELS = CpuKernels()
 
 
 def lock_timeout() -> float:
@@ -188,7 +279,7 @@ def _find_ninja() -> None:
             os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
-def all_extensions() -> list[CpuExtension]:
+def all_families() -> list[KernelFamily]:
     from engine.layers import (
         cpu_bf16_gemm,
         cpu_decode_layers,
@@ -203,34 +294,54 @@ def all_extensions() -> list[CpuExtension]:
 
 
 def preload(options) -> dict[str, bool]:
-    """Build or load now the kernels `options` (a KernelOptions narrowed to the device)
-    turn on: what -> loaded. A process that calls this before serving never builds
-    later (each extension loads once per process). May raise KernelBuildLockTimeout."""
-    from engine.layers import (
-        cpu_bf16_gemm,
-        cpu_decode_layers,
-        cpu_fixed_order_linear,
-        cpu_fused_ops,
-        cpu_paged_attention,
-        cpu_prefill_attention,
-    )
-    wanted = [(options.batch_invariant, cpu_fixed_order_linear.EXTENSION),
-              (options.batch_invariant, cpu_bf16_gemm.EXTENSION),
-(options.cpu_attention_kernel, cpu_paged_attention.EXTENSION),
-              (options.cpu_fused_ops, cpu_fused_ops.EXTENSION),
-              # both call into the kernels above: off with them (as the model decides)
-              (options.cpu_decode_layers and options.cpu_fused_ops
-               and options.cpu_attention_kernel and options.cpu_packed_linear,
-               cpu_decode_layers.EXTENSION),
-              (options.cpu_prefill_tiles and options.cpu_attention_kernel,
-               cpu_prefill_attention.EXTENSION),
-              # the loader packs for it only with packed linears (bf16, oneDNN's bf16)
-              (options.cpu_bf16_gemm and options.cpu_packed_linear, cpu_bf16_gemm.EXTENSION)]
-    return {ext.what: ext.load() is not None for on, ext in wanted if on}
+    """Build or load now the extension when `options` (a KernelOptions narrowed to the
+    device) turn a kernel on: kernel family -> usable here. A process that calls this before
+    serving never builds later. May raise KernelBuildLockTimeout."""
+    wanted = (options.cpu_attention_kernel or options.cpu_fused_ops
+              or options.cpu_bf16_gemm or options.batch_invariant)
+    if not wanted:
+        return {}
+    KERNELS.load()
+    return kernel_report()
+
+
+def kernel_report() -> dict[str, bool]:
+    """Kernel family -> whether it runs here (built, and this CPU has what it needs)."""
+    from engine.layers import cpu_bf16_gemm, cpu_paged_attention, cpu_prefill_attention
+    if KERNELS.load() is None:
+        return {f.what: False for f in all_families()}
+    needs_isa = {cpu_bf16_gemm.EXTENSION.what: cpu_bf16_gemm.available(),
+                 cpu_prefill_attention.EXTENSION.what:
+                     bool(KERNELS.ops.prefill_attention_available()),
+                 cpu_paged_attention.EXTENSION.what: True}
+    return {f.what: needs_isa.get(f.what, True) for f in all_families()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description="Build (or load) the CPU kernels and report them.")
+    p.add_argument("--compile-commands", action="store_true",
+                   help="also copy the build's compile_commands.json to the repository root")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ops = KERNELS.load()
+    report = kernel_report()
+    if args.json:
+        print(json.dumps({"build": str(KERNELS.build_dir()) if ops else None,
+                          "failed": KERNELS.failed, "kernels": report}, indent=2))
+    else:
+        where = KERNELS.build_dir() / LIBRARY if ops else f"unavailable: {KERNELS.failed}"
+        print(f"CPU kernels: {where}")
+        for what, ok in report.items():
+            print(f"  {what}: {'yes' if ok else 'no'}")
+    if args.compile_commands and ops is not None:
+        root = CSRC.parent.parent.parent
+        shutil.copy(KERNELS.build_dir() / "compile_commands.json",
+                    root / "compile_commands.json")
+    return 0 if ops is not None else 1
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for ext in all_extensions():
-        mod = ext.load()
-        print(f"{ext.what}: {mod.__file__ if mod else 'unavailable: ' + str(ext.failed)}")
+    raise SystemExit(main())

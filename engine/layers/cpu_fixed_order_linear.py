@@ -4,25 +4,19 @@ weight-streaming bf16 GEMM does not run (no AVX512-BF16, or a weight shape it do
 take) and the BLAS library gives a row different bits beside other rows.
 
 The source is engine/csrc/cpu/fixed_order_linear.cpp (why it holds by construction is
-written there); it is built like the other CPU kernels (engine/layers/cpu_extension.py),
-with -ffp-contract=off so no multiply-add is fused on one code path and not another.
+written there), compiled into the one CPU extension (engine/layers/cpu_extension.py) with
+-ffp-contract=off so no multiply-add is fused on one code path and not another.
 Plain C++ the compiler vectorizes: slower than oneDNN, the price of a row's bits never
 depending on its batch.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from engine.layers.cpu_extension import CpuExtension
+from engine.layers.cpu_extension import KernelFamily
 
-SOURCE_PATH = Path(__file__).resolve().parent.parent / "csrc" / "cpu" / "fixed_order_linear.cpp"
-
-EXTENSION = CpuExtension("pdserve_cpu_fixed_order_linear_v1", SOURCE_PATH.read_text(),
-                         ["fixed_order_linear"], ["-ffp-contract=off"],
-                         "CPU fixed-order linear")
+EXTENSION = KernelFamily("CPU fixed-order linear")   # engine/csrc/cpu/fixed_order_linear.cpp
 
 
 def available() -> bool:

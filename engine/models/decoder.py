@@ -179,7 +179,8 @@ class DecoderForCausalLM(nn.Module):
         return self._decode_layers or None
 
     def logits(self, hidden: torch.Tensor, selected_token_idxes: torch.Tensor) -> torch.Tensor:
-        """LM head on the rows that will be sampled only (seed step 3), in float32."""
+        """LM head on the rows that will be sampled only, in float32 (docs/ARCHITECTURE.md,
+        "The execution trunk", step 5)."""
         final = hidden[:, :self.config.hidden_size]     # the whole row without aux layers
         return self.lm_head(final.index_select(0, selected_token_idxes)).float()
 
@@ -209,7 +210,6 @@ class DecodeLayers:
         self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.intermediate_size,
                      FUSED_SILU_MUL_ROWS, int(copies)]
         self.eps, self.scale = cfg.rms_norm_eps, model.attention.scale
-        self.table = cpu_decode_layers.kernel_table(copies)
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> DecodeLayers | None:
@@ -244,4 +244,4 @@ class DecodeLayers:
         return cpu_decode_layers.decode_layers(
             x, self.weights, kv_cache.k, kv_cache.v, positions, self.rotary.cos,
             self.rotary.sin_signed, meta.slot_mapping, meta.block_tables, plan.kv_lens,
-            self.table, [plan.rows, *self.dims], self.eps, self.scale, aux_layers)
+            [plan.rows, *self.dims], self.eps, self.scale, aux_layers)

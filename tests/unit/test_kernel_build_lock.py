@@ -73,25 +73,39 @@ def test_torch_lock_file_left_by_a_killed_build_is_removed(tmp_path):
         assert not baton.exists()
 
 
-def test_extension_load_raises_instead_of_hanging_and_keeps_no_failure(holder, monkeypatch):
-    import torch.utils.cpp_extension as cpp
+def _kernels(tmp_path, body: str) -> cpu_extension.CpuKernels:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "a.cpp").write_text(body)
+    return cpu_extension.CpuKernels(csrc=src, sources={"a.cpp": []}, headers=(),
+                                    namespace="pdserve_test")
 
+
+def test_extension_load_raises_instead_of_hanging_and_keeps_no_failure(holder, monkeypatch,
+                                                                       tmp_path):
     build, _ = holder
-    monkeypatch.setattr(cpp, "_get_build_directory", lambda name, verbose: str(build))
-    monkeypatch.setattr(cpp, "load_inline",
-                        lambda **kw: pytest.fail("built while another process holds the lock"))
-    ext = cpu_extension.CpuExtension("pdserve_test_ext", "int f() { return 1; }", ["f"], [],
-                                     "test kernel")
-    assert ext.build_name().startswith("pdserve_test_ext_")
-    with pytest.raises(KernelBuildLockTimeout, match="test kernel"):
-        ext.load(build_lock_timeout=0.2)
-    assert ext.failed is None and ext.module is None   # the next start tries again
+    kernels = _kernels(tmp_path, "int f() { return 1; }")
+    monkeypatch.setattr(kernels, "build_dir", lambda: build)
+    monkeypatch.setattr(kernels, "_build",
+                        lambda d: pytest.fail("built while another process holds the lock"))
+    assert kernels.build_name().startswith("pdserve_cpu_")
+    with pytest.raises(KernelBuildLockTimeout, match="CPU kernels"):
+        kernels.load(build_lock_timeout=0.2)
+    assert kernels.failed is None and kernels.ops is None   # the next start tries again
 
 
-def test_build_folder_names_differ_by_source(monkeypatch):
-    a = cpu_extension.CpuExtension("k", "int f() { return 1; }", ["f"], [], "k")
-    b = cpu_extension.CpuExtension("k", "int f() { return 2; }", ["f"], [], "k")
+def test_build_folder_names_differ_by_source(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = _kernels(tmp_path / "a", "int f() { return 1; }")
+    b = _kernels(tmp_path / "b", "int f() { return 2; }")
     assert a.build_name() != b.build_name() and a.build_name() == a.build_name()
+
+
+def test_a_source_that_does_not_compile_is_reported_with_the_compiler_error(tmp_path):
+    kernels = _kernels(tmp_path, "int f() { return undeclared_name; }")
+    assert kernels.load() is None
+    assert "undeclared_name" in kernels.failed and kernels.ops is None
 
 
 def test_node_loads_its_kernels_before_the_node_is_built(monkeypatch):

@@ -286,7 +286,7 @@ def test_cpu_kernel_off_falls_back_to_torch(monkeypatch):
     """PDSERVE_CPU_ATTENTION_KERNEL=0 (read into the options) or a failed build: the
     torch path answers, same result, and a failed build keeps its reason for the warning."""
     from engine.layers import cpu_paged_attention
-    from engine.layers.cpu_extension import CpuExtension
+    from engine.layers.cpu_extension import CpuKernels, KernelFamily
 
     real = cpu_paged_attention.paged_decode_attention
     monkeypatch.setattr(cpu_paged_attention, "paged_decode_attention",
@@ -294,8 +294,8 @@ def test_cpu_kernel_off_falls_back_to_torch(monkeypatch):
     switched_off = KernelOptions.from_env({"PDSERVE_CPU_ATTENTION_KERNEL": "0"})
     assert not switched_off.cpu_attention_kernel
     ext = cpu_paged_attention.EXTENSION
-    broken = CpuExtension(ext.name, ext.source, ext.functions, ext.cflags, ext.what)
-    broken.failed = "RuntimeError: no compiler (simulated)"
+    broken = KernelFamily(ext.what, CpuKernels())
+    broken.kernels.failed = "RuntimeError: no compiler (simulated)"
     for options, extension in ((switched_off, ext), (KernelOptions(), broken)):
         monkeypatch.setattr(cpu_paged_attention, "EXTENSION", extension)
         attn = SdpaAttention(8 ** -0.5, options)

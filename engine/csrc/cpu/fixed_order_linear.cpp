@@ -14,25 +14,31 @@
 // - threads split the work by rows and column blocks, never along k.
 // The weight is read transposed ([K, N], `prepare` in the Python wrapper), so the inner
 // loop runs along N over contiguous memory and the compiler vectorizes it.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cstdint>
 
+namespace pdserve {
 namespace {
 
-constexpr int64_t COLS = 32;   // output columns a block accumulates in registers
-constexpr int64_t ROWS = 4;    // rows sharing one pass over a block's weights
+constexpr int64_t COLS = 32;  // output columns a block accumulates in registers
+constexpr int64_t ROWS = 4;   // rows sharing one pass over a block's weights
 
-inline float as_float(float v) { return v; }
-inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float as_float(float v) {
+  return v;
+}
+inline float as_float(c10::BFloat16 v) {
+  return static_cast<float>(v);
+}
 
 // rows [0, R) of x (row stride xs) times the columns [n0, n0 + cols) of wt [K, N]
 template <typename T, int R>
-void block(const T* x, int64_t xs, const T* wt, int64_t N, int64_t K, int64_t n0,
-           int64_t cols, const float* bias, T* y, int64_t ys) {
+void block(const T* x, int64_t xs, const T* wt, int64_t N, int64_t K, int64_t n0, int64_t cols,
+           const float* bias, T* y, int64_t ys) {
   float acc[R][COLS];
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < COLS; ++j) acc[r][j] = 0.0f;
@@ -61,10 +67,18 @@ void run(const T* x, int64_t M, int64_t K, const T* wt, int64_t N, const float* 
       const T* xg = x + m0 * K;
       T* yg = y + m0 * N;
       switch (rows) {
-        case 4: block<T, 4>(xg, K, wt, N, K, n0, cols, bias, yg, N); break;
-        case 3: block<T, 3>(xg, K, wt, N, K, n0, cols, bias, yg, N); break;
-        case 2: block<T, 2>(xg, K, wt, N, K, n0, cols, bias, yg, N); break;
-        default: block<T, 1>(xg, K, wt, N, K, n0, cols, bias, yg, N); break;
+        case 4:
+          block<T, 4>(xg, K, wt, N, K, n0, cols, bias, yg, N);
+          break;
+        case 3:
+          block<T, 3>(xg, K, wt, N, K, n0, cols, bias, yg, N);
+          break;
+        case 2:
+          block<T, 2>(xg, K, wt, N, K, n0, cols, bias, yg, N);
+          break;
+        default:
+          block<T, 1>(xg, K, wt, N, K, n0, cols, bias, yg, N);
+          break;
       }
     }
   });
@@ -78,15 +92,16 @@ at::Tensor fixed_order_linear(at::Tensor x, at::Tensor wt, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && wt.dim() == 2 && x.size(1) == wt.size(0),
               "fixed_order_linear: x [M, K] and wt [K, N] expected, got ", x.sizes(), " and ",
               wt.sizes());
-  TORCH_CHECK(x.scalar_type() == wt.scalar_type(), "fixed_order_linear: x is ",
-              x.scalar_type(), ", the weight ", wt.scalar_type());
-  TORCH_CHECK(x.is_contiguous() && wt.is_contiguous(), "fixed_order_linear: contiguous "
+  TORCH_CHECK(x.scalar_type() == wt.scalar_type(), "fixed_order_linear: x is ", x.scalar_type(),
+              ", the weight ", wt.scalar_type());
+  TORCH_CHECK(x.is_contiguous() && wt.is_contiguous(),
+              "fixed_order_linear: contiguous "
               "x and weight expected");
   const int64_t M = x.size(0), K = x.size(1), N = wt.size(1);
   at::Tensor fbias;
   if (bias.numel()) {
-    TORCH_CHECK(bias.numel() == N, "fixed_order_linear: bias of ", bias.numel(),
-                " values for ", N, " outputs");
+    TORCH_CHECK(bias.numel() == N, "fixed_order_linear: bias of ", bias.numel(), " values for ", N,
+                " outputs");
     fbias = bias.to(at::kFloat).contiguous();
   }
   const float* bp = bias.numel() ? fbias.data_ptr<float>() : nullptr;
@@ -95,10 +110,14 @@ at::Tensor fixed_order_linear(at::Tensor x, at::Tensor wt, at::Tensor bias) {
   if (x.scalar_type() == at::kFloat) {
     run<float>(x.data_ptr<float>(), M, K, wt.data_ptr<float>(), N, bp, y.data_ptr<float>());
   } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fixed_order_linear: float32 or bfloat16, "
-                "got ", x.scalar_type());
-    run<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), M, K, wt.data_ptr<c10::BFloat16>(), N,
-                       bp, y.data_ptr<c10::BFloat16>());
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16,
+                "fixed_order_linear: float32 or bfloat16, "
+                "got ",
+                x.scalar_type());
+    run<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), M, K, wt.data_ptr<c10::BFloat16>(), N, bp,
+                       y.data_ptr<c10::BFloat16>());
   }
   return y;
 }
+
+}  // namespace pdserve

@@ -1,0 +1,82 @@
+// Helpers the CPU kernels share: bfloat16 <-> float32 and exp on non-positive arguments.
+//
+// Everything here has internal linkage (an unnamed namespace): each kernel file is
+// compiled with its own floating-point flags (engine/layers/cpu_extension.py: the
+// attention files with -ffast-math, the fused ops with -ffp-contract=off), and each must
+// get its own copy compiled under its flags. An inline function with external linkage
+// would let the linker keep one file's copy for all of them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pdserve {
+namespace {
+
+// bfloat16 bits -> float: the upper 16 bits of a float (a shift the compiler vectorizes)
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// float -> bfloat16 bits, rounded to nearest even as torch's conversion; NaN stays NaN
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum) in plain arithmetic, so a softmax loop
+// vectorizes (libm's expf is a scalar call per element): Cody-Waite range reduction and
+// Cephes' degree-5 polynomial, ~1 ulp; below EXP_MIN it returns 0.
+constexpr float EXP_MIN = -87.33654f;
+constexpr float EXP_LOG2E = 1.44269504088896341f;
+constexpr float EXP_LN2_HI = 0.693359375f;
+constexpr float EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_nonpos(float x) {
+  x = x < EXP_MIN ? EXP_MIN : x;
+  const float n = std::floor(x * EXP_LOG2E + 0.5f);
+  float r = x - n * EXP_LN2_HI;
+  r = r - n * EXP_LN2_LO;
+  const float z = r * r;
+  float y = EXP_POLY[0];
+  for (int i = 1; i < 6; ++i) y = y * r + EXP_POLY[i];
+  y = y * z + r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return y * scale;
+}
+
+#if defined(__AVX512F__)
+// exp_nonpos on 16 lanes: the same range reduction and polynomial, fused multiply-adds
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
+                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_POLY[i]));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+}  // namespace
+}  // namespace pdserve
