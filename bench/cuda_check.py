@@ -18,7 +18,7 @@ transformers on the GPU (eager and graph-replayed decode), then graph-decode tim
    scripted draft (the MTP still runs; its proposals are replaced by plain eager's
    tokens, a third of them wrong): full, partial and zero acceptance runs through graphs.
 4. PD PUSH (bench/cuda_check_pd.py): for each of --pd-models, a prefill node and a decode
-   node in one process (tests/unit/pd_harness.PdPair), both on the device, KV over the
+   node in one process (tests/pd_harness.PdPair), both on the device, KV over the
    in-process transport and over the raw-TCP data plane, decode eager and graph-replayed:
    greedy tokens against HF's and a single-node LLM's.
 

@@ -1,6 +1,6 @@
 """The `pd` section of bench/cuda_check.py: PD PUSH on the device.
 
-For each model (tests/tiny_models.py), in float32: tests/unit/pd_harness.PdPair (an
+For each model (tests/tiny_models.py), in float32: tests/pd_harness.PdPair (an
 in-process prefill node and decode node, their gRPC service methods called directly),
 both nodes' engines on the device, the KV pushed once over the in-process transport and
 once over the raw-TCP data plane (loopback sockets), with the decode node eager and with
@@ -38,7 +38,7 @@ def _opts(device: str, graph: bool = False) -> dict:
 
 async def _pd_tokens(folder: Path, prompts: list[list[int]], device: str, tcp: bool,
                      graph: bool, max_new: int) -> tuple[list[list[int]], dict]:
-    from tests.unit.pd_harness import PdPair
+    from tests.pd_harness import PdPair
     params = SamplingParams(max_tokens=max_new, temperature=0.0)
     pair = PdPair(folder, _opts(device), _opts(device, graph), tcp=tcp)
     pair.start()

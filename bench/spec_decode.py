@@ -8,7 +8,7 @@ each of two held-out prompt sets.
         [--json out.json]
 
 Sets (both kept out of the head's training, checked by tools/mtp_corpus.py and
-tests/unit/test_mtp_raw.py):
+tests/tools/test_mtp_raw.py):
 - chat: chat requests (chat template) on TOPICS below x ASKS (64 prompts);
 - raw: tools/mtp_raw.py's held-out raw-text openings (no chat template: code in several
   languages, prose, lists, dialogue, questions; 64 prompts), as the completions API

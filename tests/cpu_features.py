@@ -2,7 +2,7 @@
 
 A kernel test that needs AVX512-BF16 runs where the CPU has it and is skipped elsewhere
 with that reason; `test_kernels_are_available_exactly_where_the_cpu_has_the_isa`
-(tests/unit/test_cpu_features.py) checks on every CPU the property that holds
+(tests/engine/test_cpu_features.py) checks on every CPU the property that holds
 everywhere: the kernel is available exactly where /proc/cpuinfo lists the flag, so a
 build that silently lost the kernel fails on the machines that should have it, and a
 machine without it serves through the other path.
@@ -34,4 +34,4 @@ def has_avx512_bf16() -> bool:
 requires_avx512_bf16 = pytest.mark.skipif(
     not has_avx512_bf16(),
     reason="this CPU has no AVX512-BF16, so the kernel never runs here (its availability "
-           "is checked by tests/unit/test_cpu_features.py)")
+           "is checked by tests/engine/test_cpu_features.py)")

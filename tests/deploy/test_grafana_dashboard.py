@@ -4,7 +4,7 @@ panel ids, panels inside the 24-column grid without overlaps, every query on the
 metrics by their exposed sample names (a counter's `_total`, a histogram's `_bucket` under
 histogram_quantile). That each name is one the code exports is checked against live
 /metrics in tests/integration/test_node_metrics.py and against the registries in
-tests/unit/test_node_metrics.py (`dashboard_metric_names` is shared)."""
+tests/cluster/test_node_metrics.py (`dashboard_metric_names` is shared)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ docs/OPERATIONS.md ("Alerts"): the same alert names, expressions and `for` durat
 with a severity and a summary; the expressions read pdserve samples by their exposed names
 (counters under rate() with _total, histogram_quantile over _bucket by le). That each name
 is one the code exports is checked against the registries in
-tests/unit/test_node_metrics.py and against live /metrics in
+tests/cluster/test_node_metrics.py and against live /metrics in
 tests/integration/test_node_metrics.py (`alert_metric_names` is shared)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ two prompts in one request, and a stop string that ends on the first token.
 float32 must give the offline `LLM`'s tokens (held to HF by test_hf_exactness.py); bf16
 must give the asked number of tokens, and the same tokens over HTTP and gRPC (the same
 cluster, the same cached prefixes). The in-process modes and the property-based search of
-the edges are tests/unit/test_edge_prompts.py.
+the edges are tests/engine/test_edge_prompts.py.
 """
 
 from __future__ import annotations

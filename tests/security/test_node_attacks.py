@@ -1,5 +1,5 @@
 """Attacks on the node links (router -> decode, router -> prefill, prefill -> decode), run
-against the real node services in one process (tests/unit/pd_harness.py: the fake
+against the real node services in one process (tests/pd_harness.py: the fake
 in-process transport, or real loopback sockets for the raw-TCP data plane).
 
 Each attack must be refused, leave the victim's request to finish with the tokens the
@@ -26,7 +26,7 @@ from engine.pd_decode import ReservationState
 from prefill_node.decode_gate import DiscoveryDecodeGate
 from protos import node_pb2
 from tests.tiny_models import make_tiny_model
-from tests.unit.pd_harness import DECODE_ADDRESS, FakeContext, PdPair, RpcError
+from tests.pd_harness import DECODE_ADDRESS, FakeContext, PdPair, RpcError
 
 OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
 PROMPT = list(range(3, 20))                 # 17 tokens: 5 blocks of 4

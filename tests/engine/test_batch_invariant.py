@@ -142,7 +142,7 @@ def test_bf16_tokens_do_not_depend_on_batch_chunking_or_cache(default_model_dir,
 
 def test_bf16_pd_streams_equal_alone_and_concurrent(default_model_dir):
     from engine.tokenizer import load_tokenizer
-    from tests.unit.pd_harness import PdPair
+    from tests.pd_harness import PdPair
     ids = [load_tokenizer(str(default_model_dir)).encode(p) for p in PROMPTS]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     opts = dict(dtype="bfloat16", batch_invariant=True, max_num_batched_tokens=64,

@@ -189,7 +189,7 @@ def test_docs_operations_names_exactly_the_exported_metrics(folder, tmp_path):
 
 def test_turns_and_wait_on_shared_cores(folder, tmp_path):
     from cluster.core_share import CoreShare
-    from tests.unit.test_core_share import _queued, _until
+    from tests.cluster.test_core_share import _queued, _until
 
     lock = tmp_path / "cores.lock"
     other, ours = CoreShare(lock), CoreShare(lock)   # another node's step, and this node

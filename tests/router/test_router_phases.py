@@ -7,8 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 
 from router.metrics import PhaseClock
-from tests.unit.pd_fakes import PROMPT, Shared, _collect, _expected, _run
-from tests.unit.test_router_aggregated_flow import FakeAggregated, _close, _mixed
+from tests.router.pd_fakes import PROMPT, Shared, _collect, _expected, _run
+from tests.router.test_router_aggregated_flow import FakeAggregated, _close, _mixed
 
 NAME = "pdserve_router_request_phase_seconds"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from router.errors import Overloaded
-from tests.unit.pd_fakes import PROMPT, Shared, _cluster, _collect, _expected, _run
+from tests.router.pd_fakes import PROMPT, Shared, _cluster, _collect, _expected, _run
 
 
 def test_a_burst_beyond_capacity_queues_in_order_and_nobody_is_refused():
@@ -74,7 +74,7 @@ def test_requests_wait_for_the_only_decode_node_to_come_back():
     (within --queue-timeout) until discovery brings the node back, under a new
     incarnation, and then get their exact tokens; the first one without repeats."""
     from router.node_pool import NodeState
-    from tests.unit.pd_fakes import FakeDecode, _serve
+    from tests.router.pd_fakes import FakeDecode, _serve
 
     async def main():
         shared = Shared()

@@ -34,7 +34,7 @@ from engine import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 from tests.tiny_mtp import with_mtp
 from tests.tiny_tokenizer import add_tiny_tokenizer
-from tests.unit.pd_harness import PdPair
+from tests.pd_harness import PdPair
 
 BS = 8                      # block size
 MAX_LEN = 48                # max_model_len: a prompt of MAX_LEN - 1 fits one token

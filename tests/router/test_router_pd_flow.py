@@ -18,7 +18,7 @@ from router.metrics import RouterMetrics
 from router.node_pool import NodePool
 from router.pd_backend import PdBackend
 from router.policies import make_policy
-from tests.unit.pd_fakes import (
+from tests.router.pd_fakes import (
     PROMPT,
     Shared,
     _cluster,

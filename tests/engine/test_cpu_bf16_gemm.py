@@ -15,7 +15,7 @@ from engine.layers.linear import Linear, can_pack, pack_linears
 from tests.cpu_features import requires_avx512_bf16
 
 # the kernel needs AVX512-BF16 (available exactly where the CPU has it:
-# tests/unit/test_cpu_features.py)
+# tests/engine/test_cpu_features.py)
 pytestmark = requires_avx512_bf16
 
 

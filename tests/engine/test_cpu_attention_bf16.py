@@ -12,7 +12,7 @@ from engine.forward_input import AttentionMetadata
 from engine.layers import cpu_paged_attention, cpu_prefill_attention
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.sdpa_attention import SdpaAttention, verify_kv_lens
-from tests.unit.test_spec_graph import _paged_case, _reference
+from tests.engine.test_spec_graph import _paged_case, _reference
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 6])

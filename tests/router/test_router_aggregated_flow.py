@@ -16,7 +16,7 @@ from router.node_pool import NodePool, NodeState
 from router.pd_backend import PdBackend
 from router.policies import make_policy
 from router.policies.base import RoutingRequest
-from tests.unit.pd_fakes import (
+from tests.router.pd_fakes import (
     PROMPT,
     FakeDecode,
     FakePrefill,

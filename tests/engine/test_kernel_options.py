@@ -1,7 +1,7 @@
 """KernelOptions: the CPU kernel choice is a value, read from the user's switches once when
 the model is loaded and settled by each layer at construction. Nothing in the forward
 reads the environment or a global switch, and both choices compute the same thing (the
-fused ops bit for bit, tests/unit/test_cpu_fused_ops.py; greedy tokens equal to HF's)."""
+fused ops bit for bit, tests/engine/test_cpu_fused_ops.py; greedy tokens equal to HF's)."""
 
 from __future__ import annotations
 

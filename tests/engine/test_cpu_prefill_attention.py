@@ -16,7 +16,7 @@ D = 64
 
 
 # the kernel needs AVX512-BF16 (available exactly where the CPU has it:
-# tests/unit/test_cpu_features.py)
+# tests/engine/test_cpu_features.py)
 pytestmark = requires_avx512_bf16
 
 

@@ -1,7 +1,7 @@
 """OpenTelemetry tracing (cluster/tracing.py), with the SDK's in-memory exporter: a request
 through the router is one trace (its span, the phases of its attempt, its stream) whose
 context reaches the nodes in the gRPC metadata of the Decode and Prefill calls (scripted
-gRPC nodes at the boundary, tests/unit/pd_fakes.py); a node's RequestTimer continues the
+gRPC nodes at the boundary, tests/router/pd_fakes.py); a node's RequestTimer continues the
 caller's trace with the node's phases; off, nothing is recorded or sent; the flags."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from router.policies import make_policy
 from router.requests import parse_completion
 from router.service import RouterService
 from tests.router_fakes import make_router_model_dir
-from tests.unit.pd_fakes import FakeDecode, FakePrefill, Shared, _serve
+from tests.router.pd_fakes import FakeDecode, FakePrefill, Shared, _serve
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 attempt failures by the failing role and reason (a node that died: node_down, and the
 request replayed; a refusal: its gRPC code), the end-to-end latency histogram and finish
 reasons of requests that succeeded, and the ready nodes of each role (failed ones
-excluded). Scripted gRPC nodes at the boundary (tests/unit/test_router_pd_flow.py)."""
+excluded). Scripted gRPC nodes at the boundary (tests/router/test_router_pd_flow.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from router.node_pool import NodePool, NodeState
 from router.requests import parse_completion
 from router.service import RouterService
 from tests.router_fakes import TOKENS, ScriptedBackend, make_router_model_dir
-from tests.unit.pd_fakes import PROMPT, Shared, _cluster, _collect, _expected, _run
+from tests.router.pd_fakes import PROMPT, Shared, _cluster, _collect, _expected, _run
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:

@@ -79,7 +79,7 @@ def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, g
     model = llm.engine.worker.model
     model.set_aux_layers(aux)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    # on (and on a CPU that runs it: tests/unit/test_cpu_features.py): every layer linear
+    # on (and on a CPU that runs it: tests/engine/test_cpu_features.py): every layer linear
     # has cpu_bf16_gemm's copy, and both paths take it
     copies = gemm == "1" and cpu_bf16_gemm.available()
     assert all((m.gemm_packed is not None or m.gemm_silu_mul_packed is not None) == copies
