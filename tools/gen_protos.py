@@ -3,7 +3,7 @@
 Compiles every protos/*.proto with grpcio-tools (a dev dependency) into protos/ as
 *_pb2.py, *_pb2.pyi and *_pb2_grpc.py. Imports inside the stubs are `from protos import ...`,
 so the repository root (or the installed distribution) must be on sys.path.
-tests/unit/test_protos_drift.py regenerates into a temporary folder and fails if the
+tests/tools/test_protos_drift.py regenerates into a temporary folder and fails if the
 committed stubs differ.
 """
 

@@ -7,7 +7,7 @@ Held out, for the training's evaluation: chat requests on HELD_OUT_TOPICS and
 tools/mtp_raw.py's held-out raw openings. The bench's chat topics and the held-out topics
 are kept out of the training topics (checked at import); the raw held-out openings share
 no subject or code task with the training ones (checked at import and by
-tests/unit/test_mtp_raw.py).
+tests/tools/test_mtp_raw.py).
 """
 
 from __future__ import annotations

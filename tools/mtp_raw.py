@@ -5,7 +5,7 @@ questions, each an opening the model continues greedily.
 Every opening is a template of one kind filled with one subject (or, for code, one task),
 drawn from a seed. Training draws its subjects and tasks from SUBJECTS / TASKS, the
 held-out set from HELD_OUT_SUBJECTS / HELD_OUT_TASKS only, so no held-out opening shares a
-subject or task with a training one (checked at import, and by tests/unit/test_mtp_raw.py
+subject or task with a training one (checked at import, and by tests/tools/test_mtp_raw.py
 against the generated prompt texts).
 """
 

@@ -8,7 +8,7 @@ calls in the same order with the same arguments: the oneDNN GEMMs through torch'
 dispatcher (mkldnn::_linear_pointwise and its .binary epilogue), the fused ops, the paged
 attention and the bf16 GEMM as the C++ functions engine/csrc/cpu/ops.h declares (one
 extension holds them all, so both paths run one build of each kernel). The result is
-bit-identical to the Python layers' (tests/unit/test_cpu_decode_layers.py).
+bit-identical to the Python layers' (tests/engine/test_cpu_decode_layers.py).
 
 Serves decode-only forwards whose attention runs on the C++ paged kernel (plain decode
 rows or k+1-row verify runs); prefill steps keep the Python layers, where the GEMMs

@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.rms_norm over float32 is one fused op with the same result as HF's
         # x * rsqrt(mean(x^2) + eps) spelled out (bit-identical in float32 and after the
-        # cast to bfloat16, checked in tests/unit/test_rms_norm.py): 1 op instead of 5,
+        # cast to bfloat16, checked in tests/engine/test_rms_norm.py): 1 op instead of 5,
         # 61 times per decode step of a 30-layer model
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, eps=self.eps
                                             ).to(x.dtype)

@@ -126,7 +126,7 @@ class RotaryEmbedding(nn.Module):
         """q [T, Hq, D] and k [T, Hkv, D] rotated, from a fused qkv output [T, (Hq +
         2 Hkv) * D] where they sit side by side (v is left alone). The fused rope writes
         them in place in qkv and returns views of it; the torch path rotates them as one
-        tensor into a new one. Bit-identical results (tests/unit/test_cpu_fused_ops.py)."""
+        tensor into a new one. Bit-identical results (tests/engine/test_cpu_fused_ops.py)."""
         t, d = qkv.shape[0], self.head_dim
         heads = num_heads + num_kv_heads
         qk = qkv[:, :heads * d].view(t, heads, d)
