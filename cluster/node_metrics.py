@@ -125,7 +125,7 @@ class _EngineCollector(Collector):
 
 
 class _ReservationCollector(Collector):
-    """A decode node's reservations (engine/pd_decode.py's KvReceiver)."""
+    """A decode node's reservations (cluster/kv_transfer/kv_receiver.py's KvReceiver)."""
 
     def __init__(self, receiver, labels: list[str]):
         self.receiver = receiver

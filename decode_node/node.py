@@ -10,6 +10,7 @@ from pathlib import Path
 from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
+from cluster.kv_transfer.kv_receiver import KvReceiver
 from cluster.kv_transfer.limits import TcpLimits
 from cluster.node_metrics import NodeMetrics
 from cluster.tls import TlsConfig
@@ -17,7 +18,6 @@ from decode_node.service import DecodeService, default_max_grpc_pushes
 from decode_node.streams import StreamTable
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
-from engine.pd_decode import KvReceiver
 from engine.pd_fingerprint import engine_fingerprint
 from protos import node_pb2_grpc
 

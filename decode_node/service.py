@@ -1,7 +1,7 @@
 """DecodeNode gRPC service (grpc.aio): Decode (reserve + token stream), PushKv, abort.
 
-It talks to the engine only through engine commands (KvReceiver submits ReserveBlocks /
-AdmitPrefilled / FreeReserved; a cancelled caller becomes an AbortRequest) and hears
+It talks to the engine only through engine commands (KvReceiver submits ReserveForKv /
+AdmitPrefilled / ReleaseRequest; a cancelled caller becomes an AbortRequest) and hears
 back through the engine loop's outbox (decode_node/streams.py). Each reservation's fate
 is the KvReceiver's state machine; `_on_release` turns a release into the status that
 ends the request's stream, with the failing side and a replay hint in the trailers.
@@ -31,15 +31,7 @@ import grpc
 
 from cluster import tracing
 from cluster.kv_transfer.base import PushFailed
-from cluster.kv_transfer.receiver import PushHandler
-from cluster.node_metrics import NodeMetrics
-from cluster.proto_convert import fingerprint_from_proto, fingerprint_to_proto, sampling_from_proto
-from cluster.request_timing import RequestTimer
-from cluster.rpc_status import DECODE, PREFILL, RpcFailure
-from decode_node.self_prefill import AGGREGATED, stream_self_prefill
-from decode_node.streams import StreamTable, relay
-from engine.commands import AbortRequest
-from engine.pd_decode import (
+from cluster.kv_transfer.kv_receiver import (
     CapacityError,
     Draining,
     KvReceiver,
@@ -48,6 +40,14 @@ from engine.pd_decode import (
     Reservation,
     UnknownReservation,
 )
+from cluster.kv_transfer.receiver import PushHandler
+from cluster.node_metrics import NodeMetrics
+from cluster.proto_convert import fingerprint_from_proto, fingerprint_to_proto, sampling_from_proto
+from cluster.request_timing import RequestTimer
+from cluster.rpc_status import DECODE, PREFILL, RpcFailure
+from decode_node.self_prefill import AGGREGATED, stream_self_prefill
+from decode_node.streams import StreamTable, relay
+from engine.commands import AbortRequest
 from engine.pd_fingerprint import Fingerprint
 from protos import node_pb2, node_pb2_grpc
 

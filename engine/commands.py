@@ -50,25 +50,20 @@ class FinishRequest:
 
 
 @dataclass(frozen=True)
-class ReserveBlocks:
-    """PD decode side: allocate a prompt's blocks (prefix hits reused) for a push; the
-    result is the reserved, not yet scheduled Sequence."""
+class ReserveForKv:
+    """PD decode side: a sequence whose prompt KV a prefill node will push; the scheduler
+    allocates its blocks (prefix hits reused) and holds it WAITING_FOR_KV. The result is
+    the Sequence (CapacityError when the node is full)."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_reserved: int         # reservations already held, counted against max_num_seqs
-
-
-@dataclass(frozen=True)
-class FreeReserved:
-    """PD decode side: a reservation that will not be admitted gives its blocks back."""
-    seq: Any                  # the Sequence ReserveBlocks returned
 
 
 @dataclass(frozen=True)
 class AdmitPrefilled:
     """PD decode side: every KV block arrived; the sequence joins the running batch with
-    the first token (and its logprobs) sampled by the prefill node, and the MTP handoff."""
+    the first token (and its logprobs) sampled by the prefill node, and the MTP handoff.
+    (A reservation that will not be admitted ends with ReleaseRequest.)"""
     seq: Any
     first_token: int
     first_logprob: TokenLogprob | None = None
@@ -76,8 +71,15 @@ class AdmitPrefilled:
     push_block_ids: tuple[int, ...] = ()
 
 
-Command = (AddRequest | AbortRequest | FinishRequest | ReserveBlocks | FreeReserved
-           | AdmitPrefilled)
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """Forget a request at once, without a final output; its blocks go back (a decode
+    node's reservation that will not be admitted)."""
+    request_id: str
+
+
+Command = (AddRequest | AbortRequest | FinishRequest | ReserveForKv | AdmitPrefilled
+           | ReleaseRequest)
 
 
 # ---- what leaves the engine ----------------------------------------------------------

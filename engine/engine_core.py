@@ -24,14 +24,13 @@ from engine.commands import (
     AbortRequest,
     AddRequest,
     AdmitPrefilled,
-    CapacityError,
     Command,
     CommandInbox,
     EngineLoad,
     EngineOutput,
     FinishRequest,
-    FreeReserved,
-    ReserveBlocks,
+    ReleaseRequest,
+    ReserveForKv,
 )
 from engine.config import EngineConfig
 from engine.device import Device
@@ -104,7 +103,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.inbox = CommandInbox()
         self._changed: dict[int, Sequence] = {}   # gained or ended outside a step
-        self.blocked = False     # the last step found every waiter short of held blocks
         self._load = EngineLoad()
         self._load_hashes_at = 0.0
         self.connector = connector(self) if connector is not None else None
@@ -153,7 +151,10 @@ class LLMEngine:
     def finish(self, request_id: str, reason: str, stop_reason=None) -> None:
         """End a live request now; its last output says `reason`."""
         seq = self.requests.get(request_id)
-        if seq is not None and not seq.is_finished:
+        # a sequence awaiting its KV is ended only by its reservation's owner (release):
+        # a push may still be writing into its blocks
+        if seq is not None and not seq.is_finished \
+                and seq.status is not SequenceStatus.WAITING_FOR_KV:
             self.scheduler.finish(seq, reason, stop_reason)
             self._changed[seq.seq_id] = seq
 
@@ -169,9 +170,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def has_work(self) -> bool:
-        """False while every waiting request waits for blocks held outside the scheduler
-        (`blocked`): only a command (a push landing, a release) or time can change that."""
-        return (self.scheduler.has_unfinished() and not self.blocked) or bool(self._changed) \
+        """False while every waiting request waits for blocks that sequences awaiting their
+        KV hold (Scheduler.stalled_on_kv): only a command (a push landing, a release) can
+        change that."""
+        sch = self.scheduler
+        return (sch.has_unfinished() and not sch.stalled_on_kv) or bool(self._changed) \
             or bool(len(self.inbox))
 
     # ---- the command boundary ------------------------------------------------------
@@ -208,10 +211,10 @@ class LLMEngine:
             return self.finish(cmd.request_id, "abort")
         if isinstance(cmd, FinishRequest):
             return self.finish(cmd.request_id, cmd.reason, cmd.stop_reason)
-        if isinstance(cmd, ReserveBlocks):
+        if isinstance(cmd, ReserveForKv):
             return self._reserve(cmd)
-        if isinstance(cmd, FreeReserved):
-            return self._free_reserved(cmd.seq)
+        if isinstance(cmd, ReleaseRequest):
+            return self.release(cmd.request_id)
         if isinstance(cmd, AdmitPrefilled):
             return self._admit(cmd)
         raise TypeError(f"unknown engine command {type(cmd).__name__}")
@@ -275,58 +278,41 @@ class LLMEngine:
         self._load = EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
                                 bm.num_free_blocks, bm.num_blocks - 1, hashes)
 
-    # ---- PD decode side: reserved sequences -------------------------------------------
-    def _reserve(self, cmd: ReserveBlocks) -> Sequence:
+    # ---- PD decode side: sequences awaiting a pushed KV --------------------------------
+    def _reserve(self, cmd: ReserveForKv) -> Sequence:
         if cmd.request_id in self.requests:
             raise ValueError(f"request id {cmd.request_id!r} is already in use")
-        busy = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if busy + cmd.max_reserved >= self.config.max_num_seqs:
-            raise CapacityError(f"decode node is full: {busy} running/waiting and "
-                                f"{cmd.max_reserved} reserved of max_num_seqs "
-                                f"{self.config.max_num_seqs}")
         seq = Sequence(cmd.prompt_token_ids, cmd.params, cmd.request_id,
                        arrival=time.monotonic())
-        bm = self.block_manager
-        if not bm.allocate(seq):
-            raise CapacityError(f"decode node has {bm.num_free_blocks} free KV blocks, "
-                                f"request {cmd.request_id} needs "
-                                f"{bm.blocks_needed(len(seq))}")
+        self.scheduler.reserve_for_kv(seq)          # CapacityError when full
+        self.requests[seq.request_id] = seq
         return seq
-
-    def _free_reserved(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.WAITING:      # never admitted
-            self.block_manager.free(seq)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
 
     def _admit(self, cmd: AdmitPrefilled) -> Sequence:
         seq = cmd.seq
-        if seq.request_id in self.requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in use")
-        if seq.status is not SequenceStatus.WAITING:
+        if self.requests.get(seq.request_id) is not seq \
+                or seq.status is not SequenceStatus.WAITING_FOR_KV:
             raise ValueError(f"request {seq.request_id} is no longer reserved")
-        seq.num_cached_tokens = len(seq)
-        self.block_manager.cache_full_blocks(seq)
-        seq.append_token(cmd.first_token)
         if cmd.first_logprob is not None and seq.params.logprobs is not None:
             seq.logprobs.append(cmd.first_logprob)
-        self.requests[seq.request_id] = seq
         self.counters["prompt_tokens"] += seq.num_prompt_tokens
         self.counters["generated_tokens"] += 1
         if cmd.mtp is not None:
             from engine.pd_mtp import install_handoff
             install_handoff(self, seq, cmd.mtp, list(cmd.push_block_ids))
-        self.scheduler.admit_running(seq, self.eos_token_ids)   # may finish it at once
+        self.scheduler.admit_with_kv(seq, cmd.first_token, self.eos_token_ids)  # may finish
         self._changed[seq.seq_id] = seq
         return seq
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that gained a token this step."""
-        self.blocked = False
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self._unblock()
+            for seq in self.scheduler.finish_unschedulable():
+                log.warning("request %s needs more KV blocks than the cache holds; "
+                            "finishing it", seq.request_id)
+                self._changed[seq.seq_id] = seq
             return []
         grew = self.execute(sched)
         for seq in grew:        # stop strings end a sequence before the next step
@@ -373,26 +359,6 @@ class LLMEngine:
                 continue
             seq.logprobs.append(token_logprob(toks[row], lps[row], top_t[row] if top_t else (),
                                               top_l[row] if top_l else (), k))
-
-    def _unblock(self) -> None:
-        """Nothing could be scheduled although requests wait and none runs. Blocks held
-        outside the scheduler (a decode node's reservations, awaiting their KV) come back
-        when their push lands or their lease ends, so a head that fits the whole pool
-        waits for them (`blocked`: the loop sleeps until a command or its backstop). Only
-        a head larger than the whole pool is finished, rather than wait forever. (Finishing
-        any blocked head cut decode-node streams short with finish "length": 5-11 of 500
-        queued streams in tests/fault/test_queue_500.py.)"""
-        sch = self.scheduler
-        if not sch.waiting or sch.running:
-            return
-        seq, bm = sch.waiting[0], self.block_manager
-        if bm.blocks_needed(len(seq) + 1) <= bm.num_blocks - 1:      # block 0 is padding
-            self.blocked = True
-            return
-        log.warning("request %s needs more KV blocks than the cache holds; finishing it",
-                    seq.request_id)
-        sch.finish(seq, "length")
-        self._changed[seq.seq_id] = seq
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -42,6 +42,20 @@ class KVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
+    def write_blocks(self, layer: int, value: bool, block_ids: list[int],
+                     blocks: torch.Tensor) -> None:
+        """Copy whole blocks in, as a PD push delivers them: `blocks` [len(block_ids),
+        block_size, kv_heads, head_dim] into the K (value=False) or V cache of `layer`.
+        Safe from another thread while the engine runs, when the blocks belong to a
+        sequence awaiting its KV (no step reads or writes them)."""
+        cache = (self.v if value else self.k)[layer]
+        first = block_ids[0]
+        if block_ids == list(range(first, first + len(block_ids))):    # one run: a slice
+            cache[:, first:first + len(block_ids)].copy_(blocks.permute(2, 0, 1, 3))
+        else:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+            scatter_blocks(cache, idx, blocks.to(cache.device, non_blocking=False))
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 

@@ -23,7 +23,6 @@ import torch
 
 from engine.kv_cache import gather_blocks, scatter_blocks
 from engine.sequence import Sequence
-from engine.speculative.embedding_cache import EmbeddingCache
 
 
 @dataclass
@@ -34,39 +33,17 @@ class MtpHandoff:
 
 
 def mtp_worker_of(engine):
-    """The engine's MTP worker (has a draft cache and an EmbeddingCache), or None."""
+    """The engine's MTP worker (it has the hand-off calls), or None."""
     spec = getattr(engine, "speculative", None)
-    if spec is None or not hasattr(spec, "embedding_cache"):
-        return None
-    return spec
-
-
-class _WatchedEmbeddingCache(EmbeddingCache):
-    """EmbeddingCache that keeps, for watched sequences, the entry `retain` drops: a PD
-    prefill sequence finishes (max_tokens=1) inside the step that writes its entry."""
-
-    def __init__(self, base: EmbeddingCache):
-        super().__init__()
-        self._entries = base._entries
-        self.watched: set[int] = set()
-        self.kept: dict[int, torch.Tensor] = {}
-
-    def retain(self, live_seq_ids: set[int]) -> None:
-        for sid in self.watched:
-            entry = self.get(sid)
-            if entry is not None and sid not in live_seq_ids:
-                self.kept[sid] = entry.hidden
-        super().retain(live_seq_ids)
+    return spec if spec is not None and hasattr(spec, "keep_handoff") else None
 
 
 class MtpCollector:
-    """Prefill side: collects the handoff of PD requests from the engine's MTP worker."""
+    """Prefill side: collects the handoff of PD requests through the MTP worker's hand-off
+    calls (`keep_handoff`, `take_handoff_hidden`)."""
 
     def __init__(self, engine):
         self.worker = mtp_worker_of(engine)
-        if self.worker is not None:
-            self.cache = _WatchedEmbeddingCache(self.worker.embedding_cache)
-            self.worker.embedding_cache = self.cache
 
     @property
     def enabled(self) -> bool:
@@ -74,7 +51,7 @@ class MtpCollector:
 
     def watch(self, seq_id: int) -> None:
         if self.enabled:
-            self.cache.watched.add(seq_id)
+            self.worker.keep_handoff(seq_id)
 
     def take(self, seq: Sequence, src_block_ids: list[int]) -> MtpHandoff | None:
         """The handoff of `seq` whose prefill finished this step; src_block_ids: its
@@ -82,14 +59,10 @@ class MtpCollector:
         even if the finished sequence's blocks are already back in the pool)."""
         if not self.enabled:
             return None
-        self.cache.watched.discard(seq.seq_id)
-        hidden = self.cache.kept.pop(seq.seq_id, None)
-        if hidden is None:
-            entry = self.cache.get(seq.seq_id)
-            hidden = None if entry is None else entry.hidden
+        hidden = self.worker.take_handoff_hidden(seq.seq_id)
         if hidden is None:
             return None
-        kv = self.worker.draft_executor.kv_cache
+        kv = self.worker.draft_kv_cache
         idx = torch.tensor(src_block_ids, dtype=torch.long, device=kv.k[0].device)
         return MtpHandoff(hidden.reshape(1, -1).to("cpu"),
                           gather_blocks(kv.k[0], idx).to("cpu"),
@@ -97,8 +70,7 @@ class MtpCollector:
 
     def forget(self, seq_id: int) -> None:
         if self.enabled:
-            self.cache.watched.discard(seq_id)
-            self.cache.kept.pop(seq_id, None)
+            self.worker.forget_handoff(seq_id)
 
 
 def check_handoff(engine, handoff: MtpHandoff, num_push_blocks: int) -> str | None:
@@ -106,7 +78,7 @@ def check_handoff(engine, handoff: MtpHandoff, num_push_blocks: int) -> str | No
     worker = mtp_worker_of(engine)
     if worker is None:
         return None         # no draft here: the handoff is ignored
-    kv = worker.draft_executor.kv_cache
+    kv = worker.draft_kv_cache
     want_kv = (num_push_blocks, *kv.block_shape)
     hidden_size = engine.model_config.hidden_size
     if tuple(handoff.hidden.shape) != (1, hidden_size):
@@ -130,12 +102,11 @@ def install_handoff(engine, seq: Sequence, handoff: MtpHandoff,
     worker = mtp_worker_of(engine)
     if worker is None:
         return False
-    kv = worker.draft_executor.kv_cache
+    kv = worker.draft_kv_cache
     dev = kv.k[0].device
     if push_block_ids:
         idx = torch.tensor(push_block_ids, dtype=torch.long, device=dev)
         scatter_blocks(kv.k[0], idx, handoff.draft_k.to(dev))
         scatter_blocks(kv.v[0], idx, handoff.draft_v.to(dev))
-    worker.embedding_cache.put(seq.seq_id, seq.num_prompt_tokens - 1,
-                               handoff.hidden.to(dev).clone())
+    worker.install_hidden(seq.seq_id, seq.num_prompt_tokens - 1, handoff.hidden.to(dev).clone())
     return True

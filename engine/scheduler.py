@@ -6,6 +6,14 @@ growing their block tables; when a sequence cannot grow, the newest running sequ
 preempted (its blocks freed, its tokens kept, re-queued at the front to be recomputed).
 Then waiting sequences are admitted while the token budget, `max_num_seqs` and the pool
 allow. Prefill and decode sequences share one batch.
+
+A PD decode node's pushed prompts are a state of their own, WAITING_FOR_KV
+(`reserve_for_kv`): the sequence owns its blocks (prefix hits reused, as a local prefill
+would) while a prefill node writes their KV, counts against `max_num_seqs`, and is never
+scheduled; `admit_with_kv` moves it into the running batch with its first token, and
+`finish` gives its blocks back like any other sequence's. When nothing can be scheduled
+because waiting requests need blocks that such sequences hold, the scheduler says so
+(`stalled_on_kv`): only a push landing or a release can change it.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.commands import CapacityError
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -50,6 +59,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.awaiting_kv: dict[int, Sequence] = {}     # seq_id -> WAITING_FOR_KV sequence
+        # the last schedule() found nothing to run while sequences awaiting their KV hold
+        # blocks the waiting ones need
+        self.stalled_on_kv = False
         self.num_preemptions = 0
         # Speculative decoding: decode sequences also get blocks for this many draft tokens
         # (the verify step writes their K/V); rejected ones are rolled back after the step.
@@ -64,17 +77,55 @@ class Scheduler:
                 f"{self.bm.num_blocks - 1}; raise num_gpu_blocks or shorten the prompt")
         self.waiting.append(seq)
 
-    def admit_running(self, seq: Sequence, eos_token_ids: frozenset[int]) -> None:
-        """A sequence whose prompt KV is already in its blocks (a PD push) joins the
-        running batch with its first token; its stop conditions apply at once."""
+    # ---- PD decode side: sequences whose prompt KV a prefill node pushes --------------
+    def reserve_for_kv(self, seq: Sequence) -> None:
+        """Allocate `seq`'s prompt blocks (prefix hits reused) and hold it WAITING_FOR_KV.
+        CapacityError when max_num_seqs or the pool is full."""
+        busy = len(self.running) + len(self.waiting) + len(self.awaiting_kv)
+        if busy >= self.max_num_seqs:
+            raise CapacityError(f"decode node is full: {len(self.running) + len(self.waiting)} "
+                                f"running/waiting and {len(self.awaiting_kv)} awaiting their "
+                                f"KV of max_num_seqs {self.max_num_seqs}")
+        if not self.bm.allocate(seq):
+            raise CapacityError(f"decode node has {self.bm.num_free_blocks} free KV blocks, "
+                                f"request {seq.request_id} needs "
+                                f"{self.bm.blocks_needed(len(seq))}")
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.awaiting_kv[seq.seq_id] = seq
+
+    def admit_with_kv(self, seq: Sequence, first_token: int,
+                      eos_token_ids: frozenset[int]) -> None:
+        """Every block's KV arrived: `seq` joins the running batch with the first token the
+        prefill node sampled; its stop conditions apply at once."""
+        if self.awaiting_kv.pop(seq.seq_id, None) is None:
+            raise ValueError(f"request {seq.request_id} is not awaiting its KV")
+        seq.num_cached_tokens = len(seq)
+        self.bm.cache_full_blocks(seq)
+        seq.append_token(first_token)
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled is None:
             seq.first_scheduled = time.monotonic()
         self.running.append(seq)
+        self.stalled_on_kv = False          # something runs again
         self.check_stop(seq, eos_token_ids)
 
     def has_unfinished(self) -> bool:
+        """Sequences to compute (those awaiting their KV have nothing to compute yet)."""
         return bool(self.waiting or self.running)
+
+    def finish_unschedulable(self) -> list[Sequence]:
+        """After a schedule() that found nothing to run: a waiting head larger than the
+        whole pool can never run and is finished ("length"); one that fits waits for the
+        blocks of sequences awaiting their KV (`stalled_on_kv`), which come back when their
+        push lands or their reservation is released. Returns what it finished."""
+        if not self.waiting or self.running:
+            return []
+        seq = self.waiting[0]
+        if self.bm.blocks_needed(len(seq) + 1) <= self.bm.num_blocks - 1:  # 0 is padding
+            self.stalled_on_kv = bool(self.awaiting_kv)
+            return []
+        self.finish(seq, "length")
+        return [seq]
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """End a sequence (stop condition or abort) and release its blocks."""
@@ -86,10 +137,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.awaiting_kv.pop(seq.seq_id, None) is not None:
+            self.stalled_on_kv = False      # its blocks are back: the waiting may fit now
         self.bm.free(seq)
 
     # ---- scheduling ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.stalled_on_kv = False
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -121,7 +175,7 @@ class Scheduler:
 
         # Admit new work only when nothing had to be preempted (the pool is not tight).
         while (self.waiting and not out.preempted and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + len(self.awaiting_kv) < self.max_num_seqs):
             seq = self.waiting[0]
             if not self.enable_chunked_prefill and len(seq) > budget:
                 break

@@ -13,6 +13,9 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # PD decode side: its blocks are allocated, its prompt's KV is being pushed by a prefill
+    # node; it joins the running batch when the push is complete (Scheduler.admit_with_kv)
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     FINISHED = "finished"
 

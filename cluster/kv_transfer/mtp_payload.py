@@ -8,7 +8,7 @@ import math
 import torch
 
 from cluster.kv_transfer.codec import tensor_bytes, tensor_from_bytes
-from engine.pd_decode import PushRejected
+from cluster.kv_transfer.kv_receiver import PushRejected
 from engine.pd_mtp import MtpHandoff
 from protos import node_pb2
 

@@ -2,7 +2,8 @@
 
 Every check happens before bytes are written: the header's reservation must exist, its
 push token and request id must be the reservation's (KvReceiver.authorize), and its
-fingerprint must equal ours; each chunk is validated by engine.pd_decode.KvReceiver.write;
+fingerprint must equal ours; each chunk is validated by KvReceiver.write
+(cluster/kv_transfer/kv_receiver.py);
 `done` admits the sequence only when every (layer, K/V, block) arrived. Any refusal raises
 PushFailed with the status a gRPC client sees. A refusal of a push that proved its token
 releases the reservation so its blocks return to the pool at once; a push that did not
@@ -19,15 +20,15 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster.kv_transfer.base import PushFailed
-from cluster.kv_transfer.mtp_payload import handoff_from_proto
-from cluster.proto_convert import fingerprint_from_proto, logprob_from_proto
-from engine.pd_decode import (
+from cluster.kv_transfer.kv_receiver import (
     KvReceiver,
     PushDenied,
     PushRejected,
     ReleaseReason,
     UnknownReservation,
 )
+from cluster.kv_transfer.mtp_payload import handoff_from_proto
+from cluster.proto_convert import fingerprint_from_proto, logprob_from_proto
 from engine.pd_fingerprint import Fingerprint
 from protos import node_pb2
 

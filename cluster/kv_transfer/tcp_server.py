@@ -17,6 +17,7 @@ import time
 import grpc
 
 from cluster.kv_transfer.base import PushFailed
+from cluster.kv_transfer.kv_receiver import PushDenied, PushRejected, UnknownReservation
 from cluster.kv_transfer.limits import TcpLimits
 from cluster.kv_transfer.receiver import WRITTEN, PushHandler
 from cluster.kv_transfer.tcp_framing import BUSY, FRAME, MAX_DATA, MAX_META, READY, REPLY
@@ -24,7 +25,6 @@ from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
 from cluster.kv_transfer.tls_stream import server_stream
 from cluster.omp_threads import serial_thread_pool
 from cluster.tls import TlsConfig
-from engine.pd_decode import PushDenied, PushRejected, UnknownReservation
 from protos import node_pb2
 
 log = logging.getLogger("cluster.kv_transfer")

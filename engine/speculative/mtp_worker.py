@@ -64,6 +64,37 @@ class MTPWorker(SpeculativeWorker):
         self.draft_executor = MTPExecutor(draft, draft_kv_cache)
         self.draft_sampler = Sampler(cpu_argmax=target.sampler.cpu_argmax)
         self.embedding_cache = EmbeddingCache()
+        # PD hand-off (engine/pd_mtp.py): sequences whose last hidden state outlives their
+        # finish until the prefill node's push takes it
+        self._handoff_watch: set[int] = set()
+        self._handoff_kept: dict[int, torch.Tensor] = {}
+
+    @property
+    def draft_kv_cache(self) -> KVCache:
+        return self.draft_executor.kv_cache
+
+    # ---- the PD hand-off: what a decode node's draft needs after a remote prefill --------
+    def keep_handoff(self, seq_id: int) -> None:
+        """Keep this sequence's pending hidden state when it finishes (a PD prefill finishes
+        in the step that writes it), until `take_handoff_hidden`."""
+        self._handoff_watch.add(seq_id)
+
+    def take_handoff_hidden(self, seq_id: int) -> torch.Tensor | None:
+        """The hidden state at the prompt's last position, kept for the hand-off."""
+        self._handoff_watch.discard(seq_id)
+        hidden = self._handoff_kept.pop(seq_id, None)
+        if hidden is None:
+            entry = self.embedding_cache.get(seq_id)
+            hidden = None if entry is None else entry.hidden
+        return hidden
+
+    def forget_handoff(self, seq_id: int) -> None:
+        self._handoff_watch.discard(seq_id)
+        self._handoff_kept.pop(seq_id, None)
+
+    def install_hidden(self, seq_id: int, position: int, hidden: torch.Tensor) -> None:
+        """Decode side: the pushed hidden state at `position`, as a local prefill leaves it."""
+        self.embedding_cache.put(seq_id, position, hidden)
 
     def draft_forward(self, fi: ForwardInput, prev_hidden: torch.Tensor
                       ) -> tuple[ForwardInput, torch.Tensor]:
@@ -183,6 +214,10 @@ class MTPWorker(SpeculativeWorker):
             self.draft_forward(dfi, _in_layout_order(hs, layout))
 
     def forget_finished(self, live_seq_ids: set[int]) -> None:
+        for sid in self._handoff_watch:
+            entry = self.embedding_cache.get(sid)
+            if entry is not None and sid not in live_seq_ids:
+                self._handoff_kept[sid] = entry.hidden
         self.embedding_cache.retain(live_seq_ids)
 
     def num_drafts_for(self, seq: Sequence) -> int:

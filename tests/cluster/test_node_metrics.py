@@ -13,12 +13,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.engine_loop import EngineLoop
+from cluster.kv_transfer.kv_receiver import KvReceiver
 from cluster.node_metrics import NodeMetrics
 from cluster.request_timing import RequestTimer
 from engine.commands import AddRequest
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
-from engine.pd_decode import KvReceiver
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp

@@ -1,16 +1,13 @@
-"""Decode-side reservations (engine.pd_decode.KvReceiver): exact block accounting, strict
-validation that writes nothing on a bad chunk, admission only when complete, leases."""
+"""Decode-side reservations (cluster/kv_transfer/kv_receiver.py KvReceiver): exact block
+accounting, strict validation that writes nothing on a bad chunk, admission only when
+complete, leases."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.engine_core import LLMEngine
-from engine.kv_cache import gather_blocks
-from engine.pd_decode import (
+from cluster.kv_transfer.kv_receiver import (
     KEY,
     VALUE,
     CapacityError,
@@ -22,6 +19,10 @@ from engine.pd_decode import (
     ReservationState,
     UnknownReservation,
 )
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.engine_core import LLMEngine
+from engine.kv_cache import gather_blocks
 from tests.tiny_models import make_tiny_model
 
 BS = 4

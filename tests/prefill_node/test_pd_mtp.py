@@ -161,10 +161,10 @@ def test_mtp_config_is_part_of_the_fingerprint(folder, prompts):
 
 
 def test_malformed_payload_is_refused_naming_what_is_wrong(folder):
+    from cluster.kv_transfer.kv_receiver import PushRejected
     from cluster.kv_transfer.mtp_payload import handoff_from_proto, handoff_to_proto
     from engine.config import EngineConfig
     from engine.engine_core import LLMEngine
-    from engine.pd_decode import PushRejected
     from engine.pd_mtp import MtpHandoff, check_handoff
 
     eng = LLMEngine(EngineConfig(model=str(folder), **MTP))

@@ -19,10 +19,10 @@ import torch
 
 from cluster.discovery import MemoryRegistry, MemoryStore, NodeRecord
 from cluster.kv_transfer.base import PushFailed
+from cluster.kv_transfer.kv_receiver import ReservationState
 from cluster.kv_transfer.limits import TcpLimits
 from cluster.kv_transfer.tcp_framing import FRAME, REPLY
 from engine import LLM, SamplingParams
-from engine.pd_decode import ReservationState
 from prefill_node.decode_gate import DiscoveryDecodeGate
 from protos import node_pb2
 from tests.tiny_models import make_tiny_model

@@ -1,6 +1,7 @@
 """The decode side's reservation: its states and the transitions allowed between them,
-why it was released, the errors a push can meet, and the record itself (engine/pd_decode.py
-KvReceiver drives it; docs/ARCHITECTURE.md has the state machine)."""
+why it was released, the errors a push can meet, and the record itself
+(cluster/kv_transfer/kv_receiver.py's KvReceiver drives it; docs/ARCHITECTURE.md has the
+state machine). The sequence it holds is the engine's, WAITING_FOR_KV in its scheduler."""
 
 from __future__ import annotations
 

@@ -14,14 +14,19 @@ Every transition goes through `KvReceiver._transition` (one place: checked again
 `ALLOWED`, logged with the request id, counted by state and reason, and reported to
 `on_release` for a release, so the node can end the request's stream with the reason).
 
-`reserve` asks the engine (a ReserveBlocks command) to allocate the prompt's blocks the
-way a local prefill would: a prefix-cache hit reuses blocks and is reported as
-`num_cached_blocks`, and the prefill node pushes only the rest. `write` validates a chunk
-completely before touching the cache (wrong layer/kind/block ids/shape/dtype/byte count:
-refused, nothing written) and copies it into the reservation's blocks, which it owns
-exclusively, so KV lands while the engine computes other sequences. `complete` admits the
-sequence (an AdmitPrefilled command) only when every (layer, K/V, block) has arrived.
-The receiver never touches the scheduler or block tables itself: those are the engine's.
+`reserve` asks the engine (a ReserveForKv command) to hold the sequence in its scheduler
+as WAITING_FOR_KV, its prompt's blocks allocated the way a local prefill would: a
+prefix-cache hit reuses blocks and is reported as `num_cached_blocks`, and the prefill
+node pushes only the rest. The blocks are the sequence's own; the scheduler counts it
+against max_num_seqs and knows when waiting requests wait for its blocks. `write`
+validates a chunk completely before touching the cache (wrong layer/kind/block
+ids/shape/dtype/byte count: refused, nothing written) and copies it into the sequence's
+blocks (KVCache.write_blocks: no step touches a sequence awaiting its KV), so KV lands
+while the engine computes others. `complete` admits the sequence (an AdmitPrefilled
+command) only when every (layer, K/V, block) has arrived; a release ends it with a
+ReleaseRequest. The receiver never touches the scheduler or block tables itself: those are
+the engine's. Tokens, leases and the drain live here, in the serving layer: the engine
+knows nothing of pushes, tokens or leases.
 
 Each reservation carries a random `token` (32 bytes, `secrets`), returned to the caller
 of reserve only. `write`, `complete` and `authorize` (what the node checks before a push
@@ -50,11 +55,7 @@ from concurrent.futures import Future
 
 import torch
 
-from engine.commands import AdmitPrefilled, CapacityError, FreeReserved, ReserveBlocks
-from engine.kv_cache import scatter_blocks
-from engine.logprobs import TokenLogprob
-from engine.pd_mtp import check_handoff
-from engine.pd_reservation import (
+from cluster.kv_transfer.reservation import (
     ALLOWED,
     Draining,
     PushDenied,
@@ -64,6 +65,9 @@ from engine.pd_reservation import (
     ReservationState,
     UnknownReservation,
 )
+from engine.commands import AdmitPrefilled, CapacityError, ReleaseRequest, ReserveForKv
+from engine.logprobs import TokenLogprob
+from engine.pd_mtp import check_handoff
 from engine.sampling_params import SamplingParams
 
 __all__ = ["CapacityError", "Draining", "KvReceiver", "PushDenied", "PushRejected",
@@ -147,8 +151,7 @@ class KvReceiver:
             rid = f"{uuid.uuid4().hex[:8]}-{next(self._ids)}"
             placeholder = Reservation(rid, request_id, None, 0, math.inf)   # holds the id
             self.reservations[rid] = placeholder
-            held = len(self.reservations) - 1
-        blocks = eng.submit(ReserveBlocks(request_id, list(prompt_token_ids), params, held))
+        blocks = eng.submit(ReserveForKv(request_id, list(prompt_token_ids), params))
         out: Future = Future()
 
         def reserved(f: Future) -> None:
@@ -174,7 +177,7 @@ class KvReceiver:
                     self.reservations[rid] = res
                     self.transitions[(ReservationState.RESERVED.value, "")] += 1
             if refusing:                  # the drain began while the blocks were found
-                eng.submit(FreeReserved(seq))
+                eng.submit(ReleaseRequest(request_id))
                 if out.set_running_or_notify_cancel():
                     out.set_exception(Draining(refusing))
                 return
@@ -254,13 +257,7 @@ class KvReceiver:
             if not res.open:
                 raise UnknownReservation(f"reservation {reservation_id!r} ended during the push")
             self._transition(res, ReservationState.RECEIVING)   # no-op once receiving
-            cache = (self.engine.kv_cache.k if kind == KEY else self.engine.kv_cache.v)[layer]
-            first = block_ids[0]
-            if block_ids == list(range(first, first + len(block_ids))):   # one run: a slice
-                cache[:, first:first + len(block_ids)].copy_(src.permute(2, 0, 1, 3))
-            else:
-                idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-                scatter_blocks(cache, idx, src.to(cache.device, non_blocking=False))
+            self.engine.kv_cache.write_blocks(layer, kind == VALUE, list(block_ids), src)
             res.pending[(layer, kind)].difference_update(block_ids)
             res.bytes_received += nbytes
             res.chunks_received += 1
@@ -310,7 +307,7 @@ class KvReceiver:
                 return None
         with self.lock:
             self.reservations.pop(reservation_id, None)
-        self.engine.submit(FreeReserved(res.seq))
+        self.engine.submit(ReleaseRequest(res.request_id))
         if self.on_release is not None:
             self.on_release(res)
         return res
