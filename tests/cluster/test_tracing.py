@@ -26,8 +26,8 @@ from router.pd_backend import PdBackend
 from router.policies import make_policy
 from router.requests import parse_completion
 from router.service import RouterService
-from tests.router_fakes import make_router_model_dir
 from tests.router.pd_fakes import FakeDecode, FakePrefill, Shared, _serve
+from tests.router_fakes import make_router_model_dir
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import asyncio
 import grpc
 
 from engine import LLM, SamplingParams
-from tests.tiny_models import make_tiny_model, random_prompts
 from tests.pd_harness import PdPair, RpcError
+from tests.tiny_models import make_tiny_model, random_prompts
 
 N = 160
 DECODE = dict(dtype="float32", block_size=4, num_gpu_blocks=48)

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
+from tests.pd_harness import PdPair
 from tests.tiny_models import make_tiny_model
 from tests.tiny_mtp import with_mtp
 from tests.tiny_tokenizer import add_tiny_tokenizer
-from tests.pd_harness import PdPair
 
 BS = 8                      # block size
 MAX_LEN = 48                # max_model_len: a prompt of MAX_LEN - 1 fits one token

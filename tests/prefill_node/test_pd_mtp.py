@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.pd_harness import PdPair, RpcError
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp
-from tests.pd_harness import PdPair, RpcError
 
 OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
 MTP = dict(OPTS, speculative_method="mtp", num_speculative_tokens=2)

@@ -13,8 +13,8 @@ from cluster.kv_transfer.base import PushFailed
 from cluster.proto_convert import fingerprint_to_proto
 from engine import LLM, SamplingParams
 from protos import node_pb2
-from tests.tiny_models import make_tiny_model, random_prompts
 from tests.pd_harness import DECODE_ADDRESS, FakeContext, PdPair, RpcError
+from tests.tiny_models import make_tiny_model, random_prompts
 
 OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
 

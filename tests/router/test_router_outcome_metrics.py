@@ -16,8 +16,8 @@ from router.model_info import ModelInfo
 from router.node_pool import NodePool, NodeState
 from router.requests import parse_completion
 from router.service import RouterService
-from tests.router_fakes import TOKENS, ScriptedBackend, make_router_model_dir
 from tests.router.pd_fakes import PROMPT, Shared, _cluster, _collect, _expected, _run
+from tests.router_fakes import TOKENS, ScriptedBackend, make_router_model_dir
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:

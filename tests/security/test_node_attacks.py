@@ -25,8 +25,8 @@ from cluster.kv_transfer.tcp_framing import FRAME, REPLY
 from engine import LLM, SamplingParams
 from prefill_node.decode_gate import DiscoveryDecodeGate
 from protos import node_pb2
-from tests.tiny_models import make_tiny_model
 from tests.pd_harness import DECODE_ADDRESS, FakeContext, PdPair, RpcError
+from tests.tiny_models import make_tiny_model
 
 OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=96, max_num_seqs=8)
 PROMPT = list(range(3, 20))                 # 17 tokens: 5 blocks of 4
