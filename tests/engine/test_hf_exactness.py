@@ -95,13 +95,20 @@ def test_requests_join_and_leave_mid_run(tiny):
     prompts = random_prompts(9, LENGTHS, hf.config.vocab_size, seed=7)
     budgets = [3, 12, 7, 12, 1, 9, 12, 5, 12]
     seqs = {}
+    finished: set[int] = set()
+    joined_mid_run = left_mid_run = 0       # while other requests were running
     for step in range(200):
         if step % 3 == 0 and len(seqs) < len(prompts):      # a new request every 3 steps
             i = len(seqs)
+            joined_mid_run += engine.has_unfinished()
             seqs[i] = engine.add_request(f"r{i}", prompts[i], _greedy(max_new=budgets[i]))
         engine.step()
+        newly = {i for i, s in seqs.items() if s.is_finished} - finished
+        finished |= newly
+        left_mid_run += len(newly) if engine.has_unfinished() else 0
         if len(seqs) == len(prompts) and not engine.has_unfinished():
             break
+    assert joined_mid_run >= 6 and left_mid_run >= 6      # 7 and 7 of the 9
     for i, seq in seqs.items():
         ref, _ = hf_greedy(hf, prompts[i], budgets[i])
         assert seq.output_token_ids == ref, f"request {i}"

@@ -105,14 +105,17 @@ def test_penalties_and_mixed_greedy_random_batch(root):
 
 def test_max_tokens_and_max_model_len_respected(root):
     folder = _model(root, "llama-tied-gqa")
-    prompts = _prompts(4, seed=9)
-    sp = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (1, 2, 5, 7)]
-    plain, _ = _run(folder, prompts, sp, max_model_len=40)
-    spec, _ = _run(folder, prompts, sp, max_model_len=40, speculative_method="mtp",
+    prompts = _prompts(4, seed=9)               # 3, 9, 17 and 30 tokens
+    budgets, limit = (1, 2, 5, 7), 35
+    sp = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in budgets]
+    plain, _ = _run(folder, prompts, sp, max_model_len=limit)
+    spec, _ = _run(folder, prompts, sp, max_model_len=limit, speculative_method="mtp",
                    num_speculative_tokens=3)
     assert spec == plain
-    assert [len(s) for s in spec] == [min(m, 40 - len(p["prompt_token_ids"]))
-                                      for m, p in zip((1, 2, 5, 7), prompts, strict=True)]
+    want = [min(m, limit - len(p["prompt_token_ids"]))
+            for m, p in zip(budgets, prompts, strict=True)]
+    assert want != list(budgets)        # the model's length, not max_tokens, ends the last
+    assert [len(s) for s in spec] == want
 
 
 # ---- oracle drafts: full and zero acceptance, controlled -----------------------------------

@@ -36,7 +36,8 @@ def test_a_cpu_device_sets_torchs_threads_and_none_leaves_them():
     try:
         Device("cpu", cpu_threads=1)
         assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)                     # neither the flag's value nor a default
         Device("cpu")
-        assert torch.get_num_threads() == 1          # None: left as it is
+        assert torch.get_num_threads() == 3          # None: left as it is
     finally:
         torch.set_num_threads(before)

@@ -3,6 +3,8 @@ fallbacks, and clear errors for bad values; `pdserve up` hands them to the right
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from launch.cli import build_parser
@@ -70,12 +72,42 @@ def test_bad_value_exits_2_with_one_line(capsys):
     assert "num_speculative_tokens must be an integer in [1, 16]" in err
 
 
-def test_up_passes_mtp_to_both_roles_and_graphs_to_decode():
-    args = parse("up", "--enable-graph", "--speculative-method", "mtp",
-                 "--num-speculative-tokens", "2")
-    assert speculative_args(args) == ["--speculative-method", "mtp",
-                                      "--num-speculative-tokens", "2"]
-    assert speculative_args(parse("up")) == []
+def _up_config(monkeypatch, *argv: str):
+    """The LocalClusterConfig `pdserve up` builds from its flags (nothing is started)."""
+    from launch import local_cluster
+    from launch.commands import up
+    from router.model_info import ModelInfo
+
+    class Built(Exception):
+        pass
+
+    def capture(config):
+        raise Built(config)
+
+    monkeypatch.setattr(ModelInfo, "from_folder",
+                        classmethod(lambda cls, folder, **kw: SimpleNamespace(name="m")))
+    monkeypatch.setattr(local_cluster, "LocalCluster", capture)
+    with pytest.raises(Built) as built:
+        up.run(parse("up", "--model", "/m", *argv))
+    return built.value.args[0]
+
+
+def _mtp_and_graph_flags(args: list[str]) -> list[str]:
+    keep = {"--speculative-method", "--num-speculative-tokens", "--enable-graph"}
+    return [a for i, a in enumerate(args)
+            if a in keep or (i > 0 and args[i - 1] in keep - {"--enable-graph"})]
+
+
+def test_up_passes_mtp_to_both_roles_and_graphs_to_decode(monkeypatch):
+    mtp = ["--speculative-method", "mtp", "--num-speculative-tokens", "2"]
+    c = _up_config(monkeypatch, "--enable-graph", *mtp)
+    assert _mtp_and_graph_flags(c.prefill_args) == mtp                 # no graphs on prefill
+    assert _mtp_and_graph_flags(c.decode_args) == mtp + ["--enable-graph"]
+    assert _mtp_and_graph_flags(c.node_args) == []                     # not on every node
+    c = _up_config(monkeypatch, "--aggregated", "--enable-graph", *mtp)
+    assert _mtp_and_graph_flags(c.aggregated_args) == mtp + ["--enable-graph"]
+    c = _up_config(monkeypatch)                                         # neither by default
+    assert _mtp_and_graph_flags(c.prefill_args + c.decode_args + c.aggregated_args) == []
     with pytest.raises(CliError, match="--num-speculative-tokens"):
         speculative_args(parse("up", "--speculative-method", "mtp",
                                "--num-speculative-tokens", "0"))
