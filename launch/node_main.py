@@ -112,6 +112,12 @@ def load_kernels(device: str) -> dict[str, bool]:
     return loaded
 
 
+def kernel_error() -> str:
+    """Why the C++ CPU kernels could not be built, if a load was tried and failed."""
+    from engine.layers.cpu_extension import KERNELS
+    return KERNELS.failed or ""
+
+
 def make_registry(args: argparse.Namespace):
     if str(args.etcd).strip().lower() in ("", "none", "off"):
         return None
@@ -153,7 +159,7 @@ async def serve(role: str, node, args: argparse.Namespace, node_id: str) -> int:
     record = NodeRecord(node_id=node_id, role=role, address=address,
                         incarnation=new_incarnation(), model_id=node.service.model_id,
                         max_model_len=node.engine.max_model_len,
-                        fingerprint=node.fingerprint.as_dict())
+                        fingerprint=node.fingerprint.as_dict(), kernel_error=kernel_error())
     presence = Presence(registry, record, node.load, args.load_interval)
     stop = asyncio.Event()
     install_stop_signals(stop)

@@ -17,7 +17,8 @@ def node_state(record: NodeRecord) -> NodeState:
     fp = record.fingerprint or {}
     return NodeState(node_id=record.node_id, role=record.role, address=record.address,
                      model=record.model_id, incarnation=record.incarnation,
-                     block_size=int(fp.get("block_size") or 16))
+                     block_size=int(fp.get("block_size") or 16),
+                     kernel_error=record.kernel_error)
 
 
 def _apply_load(pool: NodePool, node_id: str, load: NodeLoad) -> None:

@@ -159,9 +159,17 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 once the router can serve (a prefill + decode pair or an aggregated node)."""
-    if request.app[SERVICE_KEY].backend.ready():
-        return web.json_response({"status": "ok"})
+    """200 once the router can serve (a prefill + decode pair or an aggregated node). The
+    body names nodes that serve without their C++ CPU kernels (slower, not down)."""
+    service = request.app[SERVICE_KEY]
+    if service.backend.ready():
+        body: dict = {"status": "ok"}
+        pool = getattr(service.backend, "pool", None)
+        degraded = {n.node_id: f"CPU kernels not built, the torch path runs: {n.kernel_error}"
+                    for n in (pool.all() if pool is not None else []) if n.kernel_error}
+        if degraded:
+            body["degraded"] = degraded
+        return web.json_response(body)
     return web.json_response({"status": "not ready: no prefill + decode pair and no "
                                         "aggregated node is registered"},
                              status=503, headers={"Retry-After": str(NOT_READY_RETRY_S)})

@@ -32,6 +32,7 @@ class NodeState:
     # the prefix blocks it holds: exact, or a Bloom filter as etcd carries them
     block_hashes: frozenset[int] | PrefixDigest = field(default_factory=frozenset)
     inflight: int = 0               # requests this router has on the node right now
+    kernel_error: str = ""          # its C++ CPU kernels did not build (/health says so)
 
     @property
     def load(self) -> int:

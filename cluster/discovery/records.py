@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from cluster.discovery.prefix_digest import PrefixDigest
 
@@ -61,6 +61,9 @@ class NodeRecord:
     max_model_len: int = 0
     fingerprint: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
+    # why the node's C++ CPU kernels could not be built ("" when they were, or when it
+    # needs none): it serves through the slower torch path; the router's /health says so
+    kernel_error: str = ""
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -77,7 +80,10 @@ class NodeRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> NodeRecord:
-        return cls(**json.loads(raw))
+        """Fields this version does not know are ignored: a node of a newer version (a
+        rolling update) still registers with an older router."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 @dataclass(frozen=True)

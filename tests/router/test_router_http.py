@@ -327,3 +327,30 @@ def test_models_health_metrics_and_unknown_route(model_dir):
     assert 'pdserve_router_inter_token_latency_seconds_count{endpoint="completions"} 1.0' \
         in metrics
     assert unknown[0] == 404 and "Not Found" in unknown[1]["error"]["message"]
+
+
+def test_health_names_nodes_that_serve_without_their_cpu_kernels(model_dir):
+    """A node whose C++ kernels did not build says so in its discovery record; the router's
+    /health stays 200 (the node serves, slower) and names it with the build's error."""
+    from cluster.discovery.records import NodeRecord
+    from router.discovery_feed import node_state
+    from router.pd_backend import PdBackend
+    from router.policies import make_policy
+
+    record = NodeRecord("decode-0", "decode", "127.0.0.1:1", "inc",
+                        kernel_error="RuntimeError: g++ not found")
+    again = NodeRecord.from_json(record.to_json()[:-1] + b', "from_a_newer_node": 1}')
+    assert again == record                      # unknown fields of a newer node are ignored
+    pool = NodePool()
+    pool.upsert(node_state(again))
+    pool.upsert(node_state(NodeRecord("prefill-0", "prefill", "127.0.0.1:2", "inc")))
+    backend = PdBackend(pool, make_policy("round-robin"), RouterMetrics(pool), max_model_len=64)
+
+    async def go(http):
+        async with http.get("/health") as r:
+            return r.status, await r.json()
+
+    status, body = _serve(model_dir, backend, go)
+    assert status == 200 and body["status"] == "ok"
+    assert body["degraded"] == {
+        "decode-0": "CPU kernels not built, the torch path runs: RuntimeError: g++ not found"}
