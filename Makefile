@@ -1,12 +1,13 @@
 # The two commands of the README: `make test` (ruff, the layering contracts of
 # pyproject.toml's [tool.importlinter], clang-format on engine/csrc, the C++ kernels' build,
-# pytest) and `make up`.
+# pytest: every tier) and `make up`. `make test-fast` is `make test` with only the fast
+# unit tier (pytest -m "unit and not slow"; the markers are set in tests/conftest.py).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test up lint venv clean bench-peer
+.PHONY: test test-fast up lint venv clean bench-peer
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +27,13 @@ test: $(STAMP)
 	$(BIN)/clang-format --dry-run --Werror $(CSRC)
 	$(BIN)/python -m engine.layers.cpu_extension
 	$(BIN)/python -m pytest tests
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/clang-format --dry-run --Werror $(CSRC)
+	$(BIN)/python -m engine.layers.cpu_extension
+	$(BIN)/python -m pytest tests -m "unit and not slow"
 
 up: $(STAMP)
 	$(BIN)/python -m engine.layers.cpu_extension
