@@ -21,7 +21,10 @@ Environment switches (read only by `from_env`):
     PDSERVE_CPU_PREFILL_TILES=0      bf16 prefill rows through the decode kernel one row at
                                      a time, not the tiled prefill kernel
     PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
-                                     GEMM of engine/layers/cpu_bf16_gemm.py
+                                     GEMM of engine/layers/cpu_bf16_gemm.py (default: each
+                                     shape and row bucket takes the faster of the two,
+                                     measured at load: engine/layers/linear_choice.py;
+                                     =always: the streaming GEMM wherever it fits)
     PDSERVE_BATCH_INVARIANT_LINEAR=  in batch-invariant mode, force one linear kernel
         bf16_gemm|fixed_order|padded (engine/layers/batch_invariant.py); default auto: the
                                      fastest that holds on this CPU
@@ -67,6 +70,8 @@ class KernelOptions:
     # packed bf16 linears through the weight-streaming GEMM of
     # engine/layers/cpu_bf16_gemm.py (AVX512-BF16), which keeps its own packed copy
     cpu_bf16_gemm: bool = True
+    # keep its copies only where measured faster than oneDNN (off: wherever it fits)
+    cpu_bf16_gemm_measure: bool = True
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -86,6 +91,7 @@ class KernelOptions:
                    cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0",
                    cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0",
                    cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0",
+                   cpu_bf16_gemm_measure=env.get(BF16_GEMM_ENV, "1") != "always",
                    batch_invariant_linear=env.get(BATCH_INVARIANT_LINEAR_ENV, "") or "auto")
 
     @classmethod

@@ -51,6 +51,9 @@ PACK_ROWS_HINT = 64     # the row count oneDNN picks its packed layout for (deco
 # 2,048 rows 602 / 528. Also closer to float32: relative error 0.0023 against 0.0035 (one
 # bf16 rounding of silu(gate) * up instead of three).
 FUSED_SILU_MUL_ROWS = 16
+# the row bucket split of the measured kernel choice (engine/layers/linear_choice.py):
+# decode steps' calls up to here, prefill chunks above
+GEMM_SMALL_ROWS = 64
 
 
 class Linear(nn.Linear):
@@ -69,14 +72,21 @@ class Linear(nn.Linear):
     # a fused gate/up projection gets its silu(gate) * up layout instead
     gemm_packed: torch.Tensor | None = None
     gemm_silu_mul_packed: torch.Tensor | None = None
+    # which row buckets take that copy, chosen by measurement at load
+    # (engine/layers/linear_choice.py): calls of up to GEMM_SMALL_ROWS rows, longer ones
+    gemm_small = True
+    gemm_large = True
 
     def takes_bf16_gemm(self, x: torch.Tensor) -> bool:
         """Whether a call over `x` runs engine/layers/cpu_bf16_gemm.py."""
-        return _takes(x, self.gemm_packed)
+        return _takes(x, self.gemm_packed) and self._bucket_takes(x)
 
     def takes_bf16_silu_mul(self, x: torch.Tensor) -> bool:
         """Whether the MLP's silu(gate) * up over `x` runs on cpu_bf16_gemm."""
-        return _takes(x, self.gemm_silu_mul_packed)
+        return _takes(x, self.gemm_silu_mul_packed) and self._bucket_takes(x)
+
+    def _bucket_takes(self, x: torch.Tensor) -> bool:
+        return self.gemm_small if x.shape[0] <= GEMM_SMALL_ROWS else self.gemm_large
 
     @property
     def batch_invariant(self) -> bool:

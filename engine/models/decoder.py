@@ -200,10 +200,14 @@ class DecodeLayers:
                              empty if a.qkv_proj.bias is None else a.qkv_proj.bias,
                              a.o_proj.packed, layer.post_attention_layernorm.weight, *halves,
                              mlp.gate_up_proj.packed, mlp.down_proj.packed,
-                             *(empty if m is None else m
-                               for m in (a.qkv_proj.gemm_packed, a.o_proj.gemm_packed,
-                                         mlp.gate_up_proj.gemm_silu_mul_packed,
-                                         mlp.down_proj.gemm_packed))]
+                             # the streaming copies where the measured choice took them
+                             # for decode-sized calls (engine/layers/linear_choice.py)
+                             *(m if m is not None and lin.gemm_small else empty
+                               for m, lin in ((a.qkv_proj.gemm_packed, a.qkv_proj),
+                                              (a.o_proj.gemm_packed, a.o_proj),
+                                              (mlp.gate_up_proj.gemm_silu_mul_packed,
+                                               mlp.gate_up_proj),
+                                              (mlp.down_proj.gemm_packed, mlp.down_proj)))]
         copies = any(w.numel() for w in self.weights[9::13] + self.weights[10::13]
                      + self.weights[11::13] + self.weights[12::13])
         self.rotary = model.rotary

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.layers import batch_invariant, cpu_bf16_gemm
+from engine.layers import batch_invariant, cpu_bf16_gemm, linear_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.linear import can_pack, pack_linears
 from engine.models.model_config import ModelConfig
@@ -97,8 +97,10 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     elif kernels.cpu_packed_linear and can_pack(dtype, device):
         # the head keeps its dense weight: tied to the embedding, and the MTP draft head
         # reads it
-        pack_linears(model, keep_dense=("lm_head",),
-                     bf16_gemm=kernels.cpu_bf16_gemm and cpu_bf16_gemm.available())
+        bf16_gemm = kernels.cpu_bf16_gemm and cpu_bf16_gemm.available()
+        pack_linears(model, keep_dense=("lm_head",), bf16_gemm=bf16_gemm)
+        if bf16_gemm and kernels.cpu_bf16_gemm_measure:   # keep the copies where faster here
+            linear_choice.choose(model)
     return model.eval(), cfg
 
 

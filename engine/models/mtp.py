@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine.layers import cpu_bf16_gemm
+from engine.layers import cpu_bf16_gemm, linear_choice
 from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear, can_pack, pack_linears
@@ -267,7 +267,9 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
     if kernels.cpu_packed_linear and can_pack(dtype, device):
         # one layer: its dense weights are kept (hf_state_dict reads them); and
         # cpu_bf16_gemm's copies, as the target's layers have
-        pack_linears(mtp, release=False,
-                     bf16_gemm=kernels.cpu_bf16_gemm and cpu_bf16_gemm.available())
+        bf16_gemm = kernels.cpu_bf16_gemm and cpu_bf16_gemm.available()
+        pack_linears(mtp, release=False, bf16_gemm=bf16_gemm)
+        if bf16_gemm and kernels.cpu_bf16_gemm_measure:
+            linear_choice.choose(mtp)
     return mtp.eval()
 

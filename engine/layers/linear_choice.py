@@ -1,0 +1,116 @@
+"""bf16 linears: the weight-streaming GEMM or oneDNN, chosen by measurement at load.
+
+The weight-streaming GEMM (engine/layers/cpu_bf16_gemm.py) beat oneDNN on an AVX512-BF16
+EPYC (decode steps 12-32% a layer), but on an Intel Xeon with AMX oneDNN takes the AMX
+tiles and the streaming GEMM lost about 2x: SmolLM2-135M bf16, 32 x 128/128 tokens, 552-555
+tok/s with it against 960-981 without. A table written for one CPU loses on the other, so
+after `pack_linears` gave the layers both copies, `choose` times both on the model's own
+weights for each distinct (shape, form) and each row bucket the engine uses, and keeps the
+streaming GEMM only where it is faster:
+
+- a call goes over every layer of that shape in turn (the weights come from memory as in a
+  real step, not from a cache a single repeated weight would sit in), best of 3 passes;
+- buckets: calls of up to GEMM_SMALL_ROWS rows (decode steps, timed at 16 rows) and longer
+  ones (prefill chunks, timed at 256 rows);
+- the choice is kept for the machine (engine/layers/kernel_choice.py), so every process
+  and node of a cluster runs the same kernels (their bf16 bits differ), and logged.
+
+A layer where the streaming GEMM wins neither bucket drops its copy (memory back).
+`Linear.gemm_small` / `gemm_large` say which buckets take it (Linear._takes), and the
+one-call decode layers get the copy only where `gemm_small` holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers import cpu_bf16_gemm, cpu_extension, kernel_choice
+from engine.layers.linear import (
+    FUSED_SILU_MUL_ROWS,
+    GEMM_SMALL_ROWS,
+    Linear,
+    silu_mul_packed,
+)
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (("decode", 16), ("prefill", 4 * GEMM_SMALL_ROWS))   # rows timed
+PASSES = 3
+
+
+def choose(model: torch.nn.Module) -> dict[str, str]:
+    """Set each copy-holding Linear's buckets; returns {group and bucket: kernel}."""
+    groups: dict[tuple, list[Linear]] = {}
+    for m in model.modules():
+        if isinstance(m, Linear) and (m.gemm_packed is not None
+                                      or m.gemm_silu_mul_packed is not None):
+            form = "silu_mul" if m.gemm_silu_mul_packed is not None else "gemm"
+            groups.setdefault((form, m.in_features, m.out_features), []).append(m)
+    table = {}
+    build = cpu_extension.KERNELS.build_name()
+    for (form, k, n), layers in groups.items():
+        won = {}
+        for bucket, rows in BUCKETS:
+            key = f"bf16_linear {form} [{n}, {k}] {bucket} x{len(layers)} {build}"
+            name = kernel_choice.CHOICES.choose(
+                key, lambda rows=rows, form=form, layers=layers: _measure(form, layers, rows))
+            won[bucket] = name == "bf16_gemm"
+            table[f"{form} [{n}, {k}] {bucket}"] = name
+        for m in layers:
+            m.gemm_small, m.gemm_large = won["decode"], won["prefill"]
+            if not (m.gemm_small or m.gemm_large):
+                m.gemm_packed = m.gemm_silu_mul_packed = None
+    if table:
+        log.info("bf16 linear kernels chosen by measurement: %s",
+                 ", ".join(f"{g}: {k}" for g, k in table.items()))
+    return table
+
+
+@torch.inference_mode()
+def _measure(form: str, layers: list[Linear], rows: int) -> str:
+    x = torch.randn(rows, layers[0].in_features).bfloat16()
+    times = {name: _best(lambda m, run=run: run(m, x), layers)
+             for name, run in (("bf16_gemm", _streaming(form)), ("onednn", _onednn(form)))}
+    best = min(times, key=times.__getitem__)
+    log.debug("bf16 linear %s [%d, %d] at %d rows: %s", form, layers[0].out_features,
+              layers[0].in_features, rows,
+              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in times.items()))
+    return best
+
+
+def _best(call, layers: list[Linear]) -> float:
+    for m in layers[:2]:                     # warm-up (first-call setup)
+        call(m)
+    best = float("inf")
+    for _ in range(PASSES):
+        t0 = time.perf_counter()
+        for m in layers:
+            call(m)
+        best = min(best, (time.perf_counter() - t0) / len(layers))
+    return best
+
+
+def _streaming(form: str):
+    if form == "silu_mul":
+        return lambda m, x: cpu_bf16_gemm.gemm_silu_mul(x, m.gemm_silu_mul_packed)
+    return lambda m, x: cpu_bf16_gemm.gemm(x, m.gemm_packed, m.bias)
+
+
+def _onednn(form: str):
+    """What the layer runs without the streaming copy (Linear.forward, the MLP's paths)."""
+    def linear(m, x):
+        return torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
+
+    if form == "gemm":
+        return linear
+
+    def silu_mul(m, x):
+        if m.packed_halves is not None and x.shape[0] >= FUSED_SILU_MUL_ROWS:
+            return silu_mul_packed(x, *m.packed_halves)
+        gate, up = linear(m, x).split(m.split_rows, dim=-1)
+        return F.silu(gate) * up
+    return silu_mul
