@@ -87,6 +87,8 @@ def select(weight: torch.Tensor, gen: torch.Generator, choice: str = AUTO
         return _measure(weight, gen, (choice,))
     key = (f"batch_invariant_linear {list(weight.shape)} {weight.dtype} "
            f"{cpu_extension.KERNELS.build_name()}")
+    if key in _PICKED:          # probed already in this process (another engine's load)
+        return _PICKED[key]
     found: dict[str, tuple[str, Callable]] = {}
 
     def measure() -> str:
@@ -101,7 +103,12 @@ def select(weight: torch.Tensor, gen: torch.Generator, choice: str = AUTO
         if not _pick(name, weight, gen, found):      # kept in this process, then broken
             raise NotBatchInvariant(f"batch_invariant: the kept choice {name} no longer "
                                     f"holds for weight {list(weight.shape)}")
+    _PICKED[key] = found["pick"]
     return found["pick"]
+
+
+# key -> (name, factory) of the automatic choices this process has probed
+_PICKED: dict[str, tuple[str, Callable]] = {}
 
 
 def _pick(name: str, weight: torch.Tensor, gen: torch.Generator, found: dict) -> bool:

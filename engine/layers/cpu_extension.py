@@ -182,11 +182,6 @@ class CpuKernels:
         if compdb.returncode == 0:
             (build_dir / "compile_commands.json").write_text(compdb.stdout)
 
-    def reset(self) -> None:
-        """Forget a failure (tests simulate one and restore the extension afterwards)."""
-        with self._lock:
-            self.failed = None
-
 
 class KernelFamily:
     """One kernel module's view of the one extension (its name in log lines and reports)."""
