@@ -193,6 +193,13 @@ class NodeMetrics:
                            [*LABELS, "kernel"], registry=r)
             for what, ok in kernel_report().items():
                 usable.labels(role, node_id, what).set(1 if ok else 0)
+            from engine.layers.kernel_choice import CHOICES
+            chosen = Gauge("pdserve_cpu_kernel_choice", "1 for each kernel this node took "
+                           "by measurement at load (choice: what was chosen for, e.g. a "
+                           "linear's shape and row bucket)", [*LABELS, "choice", "kernel"],
+                           registry=r)
+            for choice, name in CHOICES.made().items():
+                chosen.labels(role, node_id, choice, name).set(1)
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
             return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)

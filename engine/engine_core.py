@@ -39,6 +39,7 @@ from engine.executor.graph_buckets import GraphOptions
 from engine.executor.graph_stats import executor_stats
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
+from engine.layers import attention_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.logprobs import token_logprob
 from engine.models.loader import load_model
@@ -93,6 +94,10 @@ class LLMEngine:
         self.speculative = None     # SpeculativeWorker when speculative_method is set
         if config.speculative_method is not None:
             self.speculative = build_speculative_worker(self)
+        if self.device.torch_device.type == "cpu":     # the block size is known from here
+            for m in (self.model, getattr(self.speculative, "draft", None)):
+                if m is not None:
+                    attention_choice.choose_for(m, bs, self.dtype, self.device.torch_device)
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "computed_tokens": 0, "requests_finished": 0}

@@ -323,14 +323,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ops = KERNELS.load()
     report = kernel_report()
+    from engine.layers import kernel_choice
+    build = KERNELS.build_name()    # choices kept for other builds of the kernels are stale
+    choices = {k.replace(f" {build}", ""): v for k, v in kernel_choice.CHOICES.kept().items()
+               if k.endswith(build)}
     if args.json:
         print(json.dumps({"build": str(KERNELS.build_dir()) if ops else None,
-                          "failed": KERNELS.failed, "kernels": report}, indent=2))
+                          "failed": KERNELS.failed, "kernels": report,
+                          "machine": kernel_choice.machine_key(), "choices": choices},
+                         indent=2))
     else:
         where = KERNELS.build_dir() / LIBRARY if ops else f"unavailable: {KERNELS.failed}"
         print(f"CPU kernels: {where}")
         for what, ok in report.items():
             print(f"  {what}: {'yes' if ok else 'no'}")
+        print(f"Chosen by measurement on this machine ({kernel_choice.machine_key()}, this "
+              f"build; kept in {kernel_choice.cache_path()}):")
+        for key, name in sorted(choices.items()):
+            print(f"  {key}: {name}")
+        if not choices:
+            print("  none yet: a model's first load measures them")
     if args.compile_commands and ops is not None:
         root = CSRC.parent.parent.parent
         shutil.copy(KERNELS.build_dir() / "compile_commands.json",

@@ -93,6 +93,20 @@ class ChoiceCache:
                 os.close(fd)
 
 
+    def made(self) -> dict[str, str]:
+        """The choices this process took (measured or read), key -> kernel."""
+        prefix = f"{machine_key()} | "
+        with self._lock:
+            return {k.removeprefix(prefix): v for k, v in self._memo.items()
+                    if k.startswith(prefix)}
+
+    def kept(self) -> dict[str, str]:
+        """The choices kept on disk for this machine (any process's), key -> kernel."""
+        prefix = f"{machine_key()} | "
+        return {k.removeprefix(prefix): v for k, v in _read(self.path or cache_path()).items()
+                if k.startswith(prefix)}
+
+
 def _read(path: Path) -> dict[str, str]:
     try:
         data = json.loads(path.read_text())

@@ -20,6 +20,11 @@ Environment switches (read only by `from_env`):
                                      call over all of them
     PDSERVE_CPU_PREFILL_TILES=0      bf16 prefill rows through the decode kernel one row at
                                      a time, not the tiled prefill kernel
+    PDSERVE_CPU_PREFILL_ATTENTION=   bf16 prefill attention: measure (default: the fastest
+        measure|tiles|rows|sdpa      of the paths below that run here, timed once a machine
+                                     when the KV cache is made: engine/layers/
+                                     attention_choice.py), or force the tile kernel, the
+                                     decode kernel row by row, or torch's SDPA
     PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
                                      GEMM of engine/layers/cpu_bf16_gemm.py (default: each
                                      shape and row bucket takes the faster of the two,
@@ -45,6 +50,8 @@ EPILOGUE_SILU_MUL_ENV = "PDSERVE_CPU_EPILOGUE_SILU_MUL"
 DECODE_LAYERS_ENV = "PDSERVE_CPU_DECODE_LAYERS"
 PREFILL_TILES_ENV = "PDSERVE_CPU_PREFILL_TILES"
 BF16_GEMM_ENV = "PDSERVE_CPU_BF16_GEMM"
+PREFILL_ATTENTION_ENV = "PDSERVE_CPU_PREFILL_ATTENTION"
+PREFILL_ATTENTION_PATHS = ("tiles", "rows", "sdpa")
 BATCH_INVARIANT_LINEAR_ENV = "PDSERVE_BATCH_INVARIANT_LINEAR"
 
 
@@ -67,6 +74,9 @@ class KernelOptions:
     # bf16 prefill rows (head_dim 64) through the tiled AVX512-BF16 prefill kernel
     # (engine/layers/cpu_prefill_attention.py) rather than one row at a time
     cpu_prefill_tiles: bool = True
+    # bf16 prefill attention on CPU: "measure" (the fastest that runs, per shape and
+    # machine) or one of PREFILL_ATTENTION_PATHS forced
+    cpu_prefill_attention: str = "measure"
     # packed bf16 linears through the weight-streaming GEMM of
     # engine/layers/cpu_bf16_gemm.py (AVX512-BF16), which keeps its own packed copy
     cpu_bf16_gemm: bool = True
@@ -91,6 +101,7 @@ class KernelOptions:
                    cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0",
                    cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0",
                    cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0",
+                   cpu_prefill_attention=_prefill_attention(env.get(PREFILL_ATTENTION_ENV)),
                    cpu_bf16_gemm_measure=env.get(BF16_GEMM_ENV, "1") != "always",
                    batch_invariant_linear=env.get(BATCH_INVARIANT_LINEAR_ENV, "") or "auto")
 
@@ -109,6 +120,15 @@ class KernelOptions:
         return replace(self, cpu_attention_kernel=False, cpu_fused_ops=False,
                        cpu_packed_linear=False, cpu_epilogue_silu_mul=False,
                        cpu_decode_layers=False, cpu_prefill_tiles=False, cpu_bf16_gemm=False)
+
+
+def _prefill_attention(value: str | None) -> str:
+    if not value:
+        return "measure"
+    if value not in ("measure", *PREFILL_ATTENTION_PATHS):
+        raise ValueError(f"{PREFILL_ATTENTION_ENV}={value!r}: expected measure or one of "
+                         f"{', '.join(PREFILL_ATTENTION_PATHS)}")
+    return value
 
 
 DEFAULT_KERNELS = KernelOptions()

@@ -9,7 +9,8 @@ weights for each distinct (shape, form) and each row bucket the engine uses, and
 streaming GEMM only where it is faster:
 
 - a call goes over every layer of that shape in turn (the weights come from memory as in a
-  real step, not from a cache a single repeated weight would sit in), best of 3 passes;
+  real step, not from a cache a single repeated weight would sit in), best of 3 passes
+  (engine/layers/kernel_select.py; a candidate that cannot run here is skipped);
 - buckets: calls of up to GEMM_SMALL_ROWS rows (decode steps, timed at 16 rows) and longer
   ones (prefill chunks, timed at 256 rows);
 - the choice is kept for the machine (engine/layers/kernel_choice.py), so every process
@@ -23,12 +24,11 @@ one-call decode layers get the copy only where `gemm_small` holds.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_bf16_gemm, cpu_extension, kernel_choice
+from engine.layers import cpu_bf16_gemm, cpu_extension, kernel_choice, kernel_select
 from engine.layers.linear import (
     FUSED_SILU_MUL_ROWS,
     GEMM_SMALL_ROWS,
@@ -39,7 +39,6 @@ from engine.layers.linear import (
 log = logging.getLogger(__name__)
 
 BUCKETS = (("decode", 16), ("prefill", 4 * GEMM_SMALL_ROWS))   # rows timed
-PASSES = 3
 
 
 def choose(model: torch.nn.Module) -> dict[str, str]:
@@ -73,24 +72,18 @@ def choose(model: torch.nn.Module) -> dict[str, str]:
 @torch.inference_mode()
 def _measure(form: str, layers: list[Linear], rows: int) -> str:
     x = torch.randn(rows, layers[0].in_features).bfloat16()
-    times = {name: _best(lambda m, run=run: run(m, x), layers)
-             for name, run in (("bf16_gemm", _streaming(form)), ("onednn", _onednn(form)))}
-    best = min(times, key=times.__getitem__)
-    log.debug("bf16 linear %s [%d, %d] at %d rows: %s", form, layers[0].out_features,
-              layers[0].in_features, rows,
-              ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in times.items()))
-    return best
 
+    def over_layers(run):
+        def load():
+            run(layers[0], x)                 # raises here where the kernel cannot run
+            return lambda: [run(m, x) for m in layers]
+        return load
 
-def _best(call, layers: list[Linear]) -> float:
-    for m in layers[:2]:                     # warm-up (first-call setup)
-        call(m)
-    best = float("inf")
-    for _ in range(PASSES):
-        t0 = time.perf_counter()
-        for m in layers:
-            call(m)
-        best = min(best, (time.perf_counter() - t0) / len(layers))
+    what = f"bf16 linear {form} [{layers[0].out_features}, {layers[0].in_features}] " \
+           f"at {rows} rows"
+    best, _ = kernel_select.fastest(what, [
+        kernel_select.Candidate("bf16_gemm", over_layers(_streaming(form))),
+        kernel_select.Candidate("onednn", over_layers(_onednn(form)))])
     return best
 
 

@@ -68,6 +68,10 @@ class SdpaAttention:
         self.prefill_tiles = (kernels.cpu_prefill_tiles and self.use_cpu_kernel
                               and not kernels.batch_invariant
                               and cpu_prefill_attention.EXTENSION.load() is not None)
+        # bf16 prefill's path: None takes the first that fits of tiles, rows, SDPA; a
+        # forced or measured one (engine/layers/attention_choice.py) is set here
+        self.prefill_path: str | None = (None if kernels.cpu_prefill_attention == "measure"
+                                         else kernels.cpu_prefill_attention)
         if self.rowwise_prefill and not self.use_cpu_kernel:
             raise RuntimeError(
                 "batch_invariant needs the CPU paged attention kernel (a CPU device, the "
@@ -169,19 +173,30 @@ class SdpaAttention:
         o = torch.bmm(probs, vals.view(hk * b, length, d)).view(hk, b, g, rows, d)
         return o.permute(1, 3, 0, 2, 4).reshape(b * rows, hq, d)
 
+    def prefill_paths(self, dtype: torch.dtype, device: torch.device, head_dim: int,
+                      groups: int, block_size: int) -> list[str]:
+        """The prefill paths that run here for caches of this shape, default first: the
+        tile kernel, the decode kernel row by row (bf16 only: float32 keeps SDPA, whose
+        rounding is HF's), SDPA. A forced path that cannot run falls back to SDPA."""
+        paths = []
+        if device.type == "cpu" and self.prefill_tiles and cpu_prefill_attention.usable(
+                dtype, head_dim, groups, block_size):
+            paths.append("tiles")
+        if device.type == "cpu" and self.use_cpu_kernel and \
+                cpu_paged_attention.fast_bf16_rows(dtype, head_dim, groups):
+            paths.append("rows")
+        return paths + ["sdpa"]
+
     def _prefill(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, out) -> None:
         meta = plan.meta
         if self.rowwise_prefill and k_cache.dtype in KERNEL_DTYPES:
             return self._prefill_rowwise(q, k_cache, v_cache, plan, out)
-        if (self.prefill_tiles and k_cache.device.type == "cpu"
-                and cpu_prefill_attention.usable(k_cache.dtype, k_cache.shape[3],
-                                                 q.shape[1] // k_cache.shape[0],
-                                                 k_cache.shape[2])):
+        paths = self.prefill_paths(k_cache.dtype, k_cache.device, k_cache.shape[3],
+                                   q.shape[1] // k_cache.shape[0], k_cache.shape[2])
+        path = self.prefill_path if self.prefill_path in paths else paths[0]
+        if path == "tiles":
             return self._prefill_tiles(q, k_cache, v_cache, plan, out)
-        if (self.use_cpu_kernel and k_cache.device.type == "cpu"
-                and cpu_paged_attention.fast_bf16_rows(k_cache.dtype, k_cache.shape[3],
-                                                       q.shape[1] // k_cache.shape[0])):
-            # bf16 only: float32 keeps SDPA, whose rounding is HF's
+        if path == "rows":
             return self._prefill_rowwise(q, k_cache, v_cache, plan, out)
         hk, _, bs, d = k_cache.shape
         tok = meta.num_decode_tokens

@@ -46,3 +46,22 @@ def test_an_unwritable_cache_keeps_the_choice_in_the_process(tmp_path):
     cache = ChoiceCache(blocker / "sub" / "choices.json")
     assert cache.choose("k", lambda: "a") == "a"
     assert cache.choose("k", lambda: "b") == "a"
+
+
+def test_the_cache_is_keyed_on_the_cpu(tmp_path, monkeypatch):
+    """A choice measured on one CPU is not read on another (a shared home directory, a
+    disk image moved between machines): the other measures its own."""
+    from engine.layers import kernel_choice
+    path = tmp_path / "choices.json"
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda: "Xeon [amx_bf16] torch 2.13")
+    assert ChoiceCache(path).choose("linear [8, 4]", lambda: "onednn") == "onednn"
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda: "EPYC [avx512_bf16] torch 2.13")
+    measured = []
+    assert ChoiceCache(path).choose("linear [8, 4]",
+                                    lambda: measured.append(1) or "bf16_gemm") == "bf16_gemm"
+    assert measured == [1]
+    assert ChoiceCache(path).kept() == {"linear [8, 4]": "bf16_gemm"}
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda: "Xeon [amx_bf16] torch 2.13")
+    cache = ChoiceCache(path)
+    assert cache.choose("linear [8, 4]", lambda: "measured again") == "onednn"
+    assert cache.made() == cache.kept() == {"linear [8, 4]": "onednn"}
