@@ -212,9 +212,13 @@ def start_metrics(node, args: argparse.Namespace):
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
-    from launch.omp_env import apply_node_spin_default
-
-    apply_node_spin_default()        # before anything below imports torch
+    # libgomp keeps its default spin-wait (GOMP_SPINCOUNT 300,000): a node is alone on its
+    # cores, or takes turns with the others on them (cluster/core_share.py). A short spin
+    # (3,000, the default here until 2026-12-06) let each idle OpenMP worker sleep between a
+    # step's ~250 parallel regions and lose its core to the router or the load generator;
+    # on an AMX Xeon that cost served SmolLM2 bf16 at c64 a quarter of its throughput
+    # (aggregated 550 -> 733 tok/s, docs/PERFORMANCE.md). A user's GOMP_SPINCOUNT or
+    # OMP_WAIT_POLICY still reaches libgomp as set.
     from cluster.node_server import default_node_id
 
     node_id = args.node_id or default_node_id(role)

@@ -66,10 +66,6 @@ SLOW: dict[str, tuple[str, ...] | str] = {
         "test_extension_load_raises_instead_of_hanging_and_keeps_no_failure",
     ),
     "engine/test_kernel_choice.py": ("test_processes_that_start_together_agree",),
-    "launch/test_omp_env.py": (
-        "test_node_entry_sets_it_before_importing_torch",
-        "test_sets_spin_count_before_torch_loads_in_a_fresh_process",
-    ),
     # -- start gRPC servers (scripted nodes, the router's gRPC front, a real node service) --
     "cluster/test_tracing.py": (
         "test_a_client_traceparent_over_grpc_becomes_the_request_spans_parent",
