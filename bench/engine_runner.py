@@ -105,8 +105,16 @@ def main() -> int:
         "workloads": results, "ready_s": ready_s,
         "first_output_s": first_output_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "tree_peak_rss_mb": tree_peak_rss_mb()}))
+        "tree_peak_rss_mb": tree_peak_rss_mb(), "kernels_chosen": kernels_chosen(args.engine)}))
     return 0
+
+
+def kernels_chosen(engine: str) -> dict[str, str]:
+    """pdserve's kernel choices for this model in this process (measured or kept)."""
+    if engine != "ours":
+        return {}
+    from engine.layers.kernel_choice import CHOICES
+    return CHOICES.made()
 
 
 if __name__ == "__main__":

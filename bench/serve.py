@@ -12,9 +12,11 @@ Systems (each started fresh, waited for until /health is 200, loaded, stopped):
   pd-graph      the same with --enable-graph (on CPU the graph path pads and binds the
                 batch into persistent buffers and "replays" by rerunning the forward)
   aggregated    pdserve up --aggregated (one node prefills and decodes)
-  vllm          vllm serve on the same folder (without pdserve's mtp*.safetensors), twice:
-                vllm-default (vLLM's CPU default: a core reserved) and vllm-2t (every core
-                for compute); the ratio table takes the better one at each shape
+  vllm          vllm serve on the same folder (without pdserve's mtp*.safetensors), in each
+                setup of bench/vllm_setups.py: vllm-default (vLLM's CPU default: a core
+                reserved), vllm-2t (every core for compute) and vllm-tuned (vllm-2t with
+                TCMalloc and Intel OpenMP preloaded, as vLLM's CPU docs recommend); the
+                ratio table takes the best one at each shape
   pd-pinned     (--pin) PD with the prefill node on CPU 0 and the decode node on CPU 1;
                 runs the long-prompt shape only, which --pin adds for every system
 Same dtype, batch cap (--max-num-seqs) and KV cache size (--kv-gb) on both sides.
@@ -42,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench import serve_cpu
+from bench import serve_cpu, vllm_setups
 from bench import serve_phases as phases
 from bench import serve_report as report
 from bench.serve_systems import PEER_PYTHON, ROOT, Server, Settings, System, all_systems
@@ -105,7 +107,14 @@ def plan(args) -> list[tuple[System, list[Shape]]]:
     shapes = all_shapes(args.quick)
     names = []
     for name in (args.systems or (QUICK_SYSTEMS if args.quick else DEFAULT_SYSTEMS)).split(","):
-        names += ["vllm-default", "vllm-2t"] if name == "vllm" else [name]
+        if name == "vllm":
+            for setup in vllm_setups.NAMES:
+                if vllm_setups.missing(setup):
+                    print(f"{setup} not run: {vllm_setups.missing(setup)}")
+                else:
+                    names.append(setup)
+        else:
+            names.append(name)
     chosen = args.shapes.split(",") if args.shapes else (
         ["c1", "c4"] if args.quick else ["c1", "c4", "c16", "c64", "r1", "r4", "long"])
     if args.pin:
@@ -122,7 +131,7 @@ def plan(args) -> list[tuple[System, list[Shape]]]:
 
 
 def client_argv(shape: Shape, system: System, url: str, s: Settings, results: Path,
-                first: bool) -> list:
+                first: bool, tag: str = "") -> list:
     argv = ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", s.served_name, "--tokenizer", s.plain_model, "--dataset-name", "random",
             "--random-input-len", str(shape.input_len),
@@ -136,7 +145,7 @@ def client_argv(shape: Shape, system: System, url: str, s: Settings, results: Pa
             "--num-warmups", "2" if first else "0", "--disable-tqdm", "--label", system.name,
             # --save-detailed: per-request TTFTs and ITLs in the result file, for analysis
             "--save-result", "--save-detailed", "--result-dir", str(results),
-            "--result-filename", f"{system.name}__{shape.name}.json",
+            "--result-filename", f"{system.name}{tag}__{shape.name}.json",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     if shape.concurrency:
         argv += ["--max-concurrency", str(shape.concurrency)]
@@ -167,11 +176,12 @@ def _mmss(s: float) -> str:
 
 
 def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
-               progress: Progress) -> tuple[list[dict], dict]:
+               progress: Progress, tag: str = "") -> tuple[list[dict], dict]:
+    """tag: added to the system's file names (the pass of a repeated sweep)."""
     results, logs = out / "results", out / "logs"
     shape_dicts = [asdict(sh) for sh in shapes]
     info: dict = {"what": system.what}
-    server = Server(system, s, logs / f"{system.name}-server.log")
+    server = Server(system, s, logs / f"{system.name}{tag}-server.log")
     print(progress.line(f"starting {system.name}: {system.what}"), flush=True)
     rows: dict[int, dict] = {}
     try:
@@ -187,14 +197,14 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                     for d in shape_dicts], info
         progress.credit(STARTUP_S[system.kind] + warmup_s(shapes[0]))
         print(progress.line(f"{system.name} serving after {info['ready_s']} s"), flush=True)
-        runs_file = logs / f"{system.name}-runs.json"
+        runs_file = logs / f"{system.name}{tag}-runs.json"
         runs_file.write_text(json.dumps([{"key": f"{system.name}/{sh.name}",
                                           "argv": client_argv(sh, system, server.url, s, results,
-                                                              first=i == 0)}
+                                                              first=i == 0, tag=tag)}
                                          for i, sh in enumerate(shapes)], indent=1))
         scraped = None          # the router's phase histogram at the start of a shape
         cpu_before: dict = {}   # CPU seconds per process at the start of a shape
-        with open(logs / f"{system.name}-client.log", "w") as log:
+        with open(logs / f"{system.name}{tag}-client.log", "w") as log:
             client = subprocess.Popen([str(PEER_PYTHON), str(ROOT / "bench" / "serve_client.py"),
                                        str(runs_file)], cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)
@@ -217,7 +227,7 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
                 if word == "@@done":
                     cpu_s = serve_cpu.used(cpu_before,
                                            serve_cpu.snapshot(server.proc.pid, client.pid))
-                    path = results / f"{system.name}__{sh.name}.json"
+                    path = results / f"{system.name}{tag}__{sh.name}.json"
                     row = report.result_row(system.name, d, json.loads(path.read_text()))
                     if system.kind == "pdserve":
                         row["phases_ms"] = phases.mean_ms(scraped, phases.scrape(server.url))
@@ -244,21 +254,30 @@ def run_system(system: System, shapes: list[Shape], s: Settings, out: Path,
 
 
 def write_outputs(out: Path, meta: dict, rows: list[dict], infos: dict) -> str:
-    ratio_rows = report.ratios(rows)
-    text = ["# bench/serve.py", "", report.rows_table(rows), ""]
+    medians = report.median_rows(rows)
+    ratio_rows = report.ratios(medians)
+    text = ["# bench/serve.py", "", f"CPU: {meta['cpu_line']}",
+            f"pdserve's kernels chosen by measurement: {meta['kernels_line']}", ""]
+    if medians is not rows:
+        text += [f"Median of {meta['repeats']} passes (the order of systems rotated each "
+                 "pass):", "", report.rows_table(medians), ""]
     if ratio_rows:
-        text += ["pdserve / best vLLM setup at each shape (tok/s: > 1 is faster; TTFT and "
-                 "ITL p99: < 1 is faster):", "", report.ratios_table(ratio_rows), ""]
-    phase_text = phases.phases_table(rows)
+        text += ["pdserve / best vLLM setup at each shape, on the medians (tok/s: > 1 is "
+                 "faster; TTFT and ITL p99: < 1 is faster):", "",
+                 report.ratios_table(ratio_rows), ""]
+    text += ["Every run:", "", report.rows_table(rows), ""]
+    labelled = [{**r, "system": f"{r['system']} (pass {r['pass']})"} if "pass" in r else r
+                for r in rows]
+    phase_text = phases.phases_table(labelled)
     if phase_text:
         text += ["pdserve: mean time of each phase before the first token, from the router's "
                  "pdserve_router_request_phase_seconds over each shape (bench/serve_phases.py):",
                  "", phase_text, ""]
-    cpu_text = serve_cpu.cpu_table(rows)
+    cpu_text = serve_cpu.cpu_table(labelled)
     if cpu_text:
         text += ["CPU seconds per 1,000 output tokens by process over each shape, from /proc "
                  "(bench/serve_cpu.py; 2 cores give 2 CPU-s per second):", "", cpu_text, ""]
-    pinned = report.pinned_summary(rows)
+    pinned = report.pinned_summary(medians)
     if pinned:
         text += [pinned, ""]
     text += [f"{meta['model_name']}, {meta['dtype']}, max-num-seqs {meta['max_num_seqs']}, "
@@ -283,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 2)[2])
     ap.add_argument("--systems", default=None, help=f"default {DEFAULT_SYSTEMS} "
-                    f"(--quick: {QUICK_SYSTEMS}); vllm = vllm-default,vllm-2t")
+                    f"(--quick: {QUICK_SYSTEMS}); vllm = {','.join(vllm_setups.NAMES)}")
     ap.add_argument("--shapes", default=None, help="default c1,c4,c16,c64,r1,r4,long "
                     "(--quick: c1,c4)")
     ap.add_argument("--quick", action="store_true", help="a smoke: tiny shapes, few systems")
@@ -297,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: its mutual TLS between router and nodes)")
     ap.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out", default=None, help="default bench/results/serve-<timestamp>")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the systems, the "
+                    "order rotated each pass (tables give the median pass; default 2)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and estimate only")
     args = ap.parse_args(argv)
 
@@ -307,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     per_system = {sys_.name: STARTUP_S[sys_.kind] + CLIENT_START_S + STOP_S +
                   warmup_s(shapes[0]) + sum(estimate_s(sh) for sh in shapes)
                   for sys_, shapes in work}
-    total = sum(per_system.values())
-    print(f"bench/serve.py -> {out}\n{len(work)} systems, {sum(len(s) for _, s in work)} runs, "
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    total = sum(per_system.values()) * args.repeats
+    print(f"bench/serve.py -> {out}\n{len(work)} systems x {args.repeats} passes (order "
+          f"rotated each pass), {sum(len(s) for _, s in work) * args.repeats} runs, "
           f"rough estimate {_mmss(total)} (load average "
           f"{[round(x, 2) for x in os.getloadavg()]}):")
     for sys_, shapes in work:
@@ -320,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(exist_ok=True)
 
     from bench.common import machine_facts
+    from bench.machine import cpu_line, cpu_record, kernels_line, model_kernels
     from bench.versus_vllm import _plain_model
     from router.model_info import ModelInfo
 
@@ -339,11 +364,24 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": facts["cpu"], "os_cpus": facts["os_cpus"], "torch": facts["torch"],
             "loadavg_start": facts["loadavg_at_start"], "argv": sys.argv[1:]}
 
-    progress = Progress(total, sum(len(s) for _, s in work))
+    meta["machine"] = cpu_record()
+    meta["kernels_chosen"] = model_kernels(model, args.dtype)
+    meta["cpu_line"] = cpu_line(meta["machine"])
+    meta["kernels_line"] = kernels_line(meta["kernels_chosen"])
+    meta["repeats"] = args.repeats
+    print(f"CPU: {meta['cpu_line']}\npdserve's kernels here: {meta['kernels_line']}",
+          flush=True)
+    progress = Progress(total, sum(len(s) for _, s in work) * args.repeats)
     rows, infos = [], {}
-    for sys_, shapes in work:
-        got, infos[sys_.name] = run_system(sys_, shapes, settings, out, progress)
-        rows += got
+    for p in range(args.repeats):
+        # a rotated order each pass: a drift of the machine's speed over the sweep does
+        # not always land on the same system
+        k = p % len(work)
+        for sys_, shapes in work[k:] + work[:k]:
+            tag = f"-p{p + 1}" if args.repeats > 1 else ""
+            got, infos[sys_.name + tag] = run_system(sys_, shapes, settings, out, progress,
+                                                     tag)
+            rows += [{**r, "pass": p + 1} for r in got]
     meta["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     meta["elapsed_s"] = round(time.monotonic() - progress.t0, 1)
     print("\n" + write_outputs(out, meta, rows, infos))

@@ -56,12 +56,43 @@ def _ok(row: dict) -> bool:
         row.get("output_tok_s") is not None
 
 
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (system, shape) over a sweep's passes: the median of each figure over the
+    passes that completed (an even count takes the lower middle: the figure of a real run),
+    failures summed, the passes' tok/s kept in `passes_tok_s`. Rows without a pass are
+    returned as they are."""
+    if not any("pass" in r for r in rows):
+        return rows
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r["shape"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        ok = [r for r in runs if _ok(r)]
+        if not ok:
+            out.append({**runs[0], "failed": sum(r.get("failed") or 0 for r in runs),
+                        "passes": len(runs)})
+            continue
+        ok.sort(key=lambda r: r["output_tok_s"])
+        row = dict(ok[(len(ok) - 1) // 2])
+        for key in row:
+            if key.endswith("_ms"):
+                vals = sorted(r[key] for r in ok if r.get(key) is not None)
+                row[key] = vals[(len(vals) - 1) // 2] if vals else None
+        row.update(failed=sum(r.get("failed") or 0 for r in runs), passes=len(runs),
+                   passes_tok_s=[r["output_tok_s"] for r in runs if _ok(r)])
+        row.pop("pass", None)
+        out.append(row)
+    return out
+
+
 def rows_table(rows: list[dict]) -> str:
     header = ["system", "shape", "in/out", "load", "output tok/s"]
     header += [f"{m.upper()} p50/p99 ms" for m in METRICS] + ["failed"]
     out = []
     for r in rows:
-        cells = [r["system"], r["shape"], f"{r['input_len']}/{r['output_len']}", load_label(r)]
+        name = r["system"] + (f" (pass {r['pass']})" if "pass" in r else "")
+        cells = [name, r["shape"], f"{r['input_len']}/{r['output_len']}", load_label(r)]
         if not _ok(r):
             out.append(cells + ["-"] * (1 + len(METRICS)) +
                        [f"{r.get('failed')} ({r.get('error') or 'no request completed'})"])

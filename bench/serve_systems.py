@@ -19,8 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import vllm_setups
+
 ROOT = Path(__file__).resolve().parent.parent
-PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+PEER_PYTHON = vllm_setups.PEER_PYTHON
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,8 @@ class System:
 
 
 def all_systems(n_cpus: int) -> dict[str, System]:
-    last = max(n_cpus - 1, 0)
+    """Every system bench/serve.py can load; a vLLM setup whose libraries are missing
+    (bench/vllm_setups.py) is left out, and the run says so."""
     return {
         "pd": System("pd", "pdserve", what="pdserve up: 1 prefill + 1 decode node"),
         "pd-mtp": System("pd-mtp", "pdserve", ("--speculative-method", "mtp",
@@ -47,11 +50,9 @@ def all_systems(n_cpus: int) -> dict[str, System]:
                              what="pdserve up --aggregated: one node prefills and decodes"),
         "pd-pinned": System("pd-pinned", "pdserve", pinned=True,
                             what="PD, prefill node on CPU 0 and decode node on CPU 1"),
-        "vllm-default": System("vllm-default", "vllm",
-                               what="vllm serve, vLLM's default CPU setup (a core reserved)"),
-        "vllm-2t": System("vllm-2t", "vllm", env=(
-            ("VLLM_CPU_OMP_THREADS_BIND", f"0-{last}"), ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")),
-            what=f"vllm serve, cores 0-{last} for compute"),
+        **{name: System(name, "vllm", env=tuple(vllm_setups.env(name, n_cpus).items()),
+                        what=f"vllm serve, {vllm_setups.WHAT[name]}")
+           for name in vllm_setups.NAMES if vllm_setups.missing(name) is None},
     }
 
 

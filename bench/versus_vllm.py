@@ -10,8 +10,11 @@ Each round runs three processes one after another, in an order that rotates ever
   vllm-2t       vLLM with both cores for compute (VLLM_CPU_OMP_THREADS_BIND=0-<n-1>,
                 VLLM_CPU_NUM_OF_RESERVED_CPU=0)
   vllm-default  vLLM as installed (it reserves a core for its frontend)
+  vllm-tuned    vllm-2t with TCMalloc and Intel OpenMP preloaded, as vLLM's CPU docs
+                recommend (bench/vllm_setups.py)
 and each process runs every workload after a one-token warm-up. The ratio's denominator is
-the better vLLM configuration on that workload, in that round.
+the best vLLM setup on that workload, in that round. Every engine must return each
+request's full output length (a short answer fails the run: its tok/s would flatter it).
 
 Workloads (random token ids from fixed seeds, greedy, ignore_eos):
   mixed    64 requests, prompts 32-512, outputs 32-256
@@ -33,24 +36,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import vllm_setups
 from bench.common import md_table, random_requests
+from bench.machine import cpu_line, cpu_record, kernels_line
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"mixed": (64, (32, 512), (32, 256), 1), "uniform": (32, (128, 128), (128, 128), 2),
              "short": (48, (16, 128), (64, 192), 3)}
-PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+PEER_PYTHON = vllm_setups.PEER_PYTHON
 KV_GB = 2
 
 
 def engines(n_cpus: int) -> dict[str, tuple[str, dict]]:
-    """name -> (python, extra environment)."""
+    """name -> (python, extra environment): ours and each vLLM setup that can run here
+    (bench/vllm_setups.py; a missing one is said at the start of the run)."""
     kv = {"VLLM_CPU_KVCACHE_SPACE": str(KV_GB)}
-    return {
-        "ours": (sys.executable, {}),
-        "vllm-2t": (str(PEER_PYTHON), {**kv, "VLLM_CPU_OMP_THREADS_BIND": f"0-{n_cpus - 1}",
-                                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}),
-        "vllm-default": (str(PEER_PYTHON), kv),
-    }
+    found = {"ours": (sys.executable, {})}
+    for name in vllm_setups.NAMES:
+        if vllm_setups.missing(name) is None:
+            found[name] = (str(PEER_PYTHON), {**kv, **vllm_setups.env(name, n_cpus)})
+    return found
 
 
 def _plain_model(model: str, tmp: Path) -> str:
@@ -102,6 +107,9 @@ def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int,
                           for w, rs in reqs.items()}}
     runs: list[dict] = []
     names = list(engines(os.cpu_count() or 1))
+    for name in vllm_setups.NAMES:
+        if vllm_setups.missing(name):
+            print(f"-- {name} not run: {vllm_setups.missing(name)}", flush=True)
     with tmp_dir:
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -110,42 +118,58 @@ def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int,
             for name in order:
                 python, env = engines(os.cpu_count() or 1)[name]
                 res = _run_engine(name, python, env, spec_path, tmp / f"{name}.json")
+                check_full_length(name, res, reqs)
                 runs.append({"round": rnd, "engine": name, **res})
     useful = {w: sum(r.max_tokens for r in rs) for w, rs in reqs.items()}
     return {"model": model, "dtype": dtype, "useful_tokens": useful, "runs": runs,
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+            "machine": cpu_record(), "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def check_full_length(name: str, result: dict, reqs: dict) -> None:
+    """Every request must come back with its max_tokens tokens (greedy, ignore_eos): an
+    engine that stopped early would be timed on less work."""
+    for w, rs in reqs.items():
+        got = [len(t) for t in result["workloads"][w]["tokens"]]
+        short = [(i, n, r.max_tokens) for i, (n, r) in enumerate(zip(got, rs, strict=True))
+                 if n != r.max_tokens]
+        if short:
+            i, n, want = short[0]
+            raise RuntimeError(f"{name} returned {len(short)} {w} requests at the wrong length "
+                               f"(request {i}: {n} tokens, asked {want})")
 
 
 def summarize(result: dict) -> str:
     runs, useful = result["runs"], result["useful_tokens"]
     rounds = sorted({r["round"] for r in runs})
     by = {(r["round"], r["engine"]): r for r in runs}
+    peers = [e for e in vllm_setups.NAMES if (rounds[0], e) in by]
     rows = []
     for w in useful:
         tps = {e: [useful[w] / by[(k, e)]["workloads"][w]["elapsed_s"] for k in rounds]
-               for e in ("ours", "vllm-2t", "vllm-default")}
-        ratios = [tps["ours"][i] / max(tps["vllm-2t"][i], tps["vllm-default"][i])
-                  for i in range(len(rounds))]
+               for e in ("ours", *peers)}
+        ratios = [tps["ours"][i] / max(tps[e][i] for e in peers) for i in range(len(rounds))]
         same = [sum(a == b for a, b in zip(by[(k, "ours")]["workloads"][w]["tokens"],
-                                           by[(k, "vllm-2t")]["workloads"][w]["tokens"],
+                                           by[(k, peers[0])]["workloads"][w]["tokens"],
                                            strict=True)) for k in rounds]
         n = len(by[(rounds[0], "ours")]["workloads"][w]["tokens"])
-        rows.append([w, " / ".join(f"{x:.0f}" for x in tps["ours"]),
-                     " / ".join(f"{x:.0f}" for x in tps["vllm-2t"]),
-                     " / ".join(f"{x:.0f}" for x in tps["vllm-default"]),
+        rows.append([w, *(" / ".join(f"{x:.0f}" for x in tps[e]) for e in ("ours", *peers)),
                      " / ".join(f"{x:.2f}x" for x in ratios),
                      f"{statistics.median(ratios):.2f}x", f"{min(same)}/{n}"])
-    out = [md_table(["workload", "ours tok/s", "vLLM 2t tok/s", "vLLM default tok/s",
-                     "ours / best vLLM (per round)", "median", "identical greedy"], rows), ""]
+    out = [md_table(["workload", "ours tok/s", *(f"{e} tok/s" for e in peers),
+                     "ours / best vLLM (per round)", "median",
+                     f"identical greedy (vs {peers[0]})"], rows), ""]
     rows = []
-    for e in ("ours", "vllm-2t", "vllm-default"):
+    for e in ("ours", *peers):
         mine = [r for r in runs if r["engine"] == e]
         rows.append([e, f"{statistics.median(r['first_output_s'] for r in mine):.1f}",
                      f"{max(r.get('tree_peak_rss_mb', r['peak_rss_mb']) for r in mine):.0f}"])
     out.append(md_table(["engine", "start -> first output s (median)",
                      "peak RSS MB (process + children)"], rows))
     out += ["", f"model {result['model']}, {result['dtype']}, {len(rounds)} rounds, "
-            f"load average at end {result['loadavg_end']}"]
+            f"load average at end {result['loadavg_end']}",
+            f"CPU: {cpu_line(result.get('machine', {}))}",
+            f"pdserve's kernels chosen by measurement: "
+            f"{kernels_line(by[(rounds[0], 'ours')].get('kernels_chosen', {}))}"]
     return "\n".join(out)
 
 
@@ -157,8 +181,16 @@ def main(model: str, dtype: str, workloads: list[str], rounds: int, json_path: s
     result = run(model, dtype, workloads, rounds, vocab, quick)
     text = summarize(result)
     print("\n" + text)
+    if not json_path:       # every run leaves its result file, with the CPU it came from
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+        json_path = str(ROOT / "bench" / "results" / f"versus-vllm-{stamp}.json")
+    Path(json_path).with_suffix(".md").write_text(text + "\n")
+    print(f"written: {json_path} and {Path(json_path).with_suffix('.md').name}")
     if json_path:
-        slim = {**result, "runs": [{**r, "workloads": {w: {"elapsed_s": v["elapsed_s"]}
+        slim = {**result, "runs": [{**r, "workloads": {w: {"elapsed_s": v["elapsed_s"],
+                                                            "tokens_returned":
+                                                                sum(map(len, v["tokens"]))}
                                                        for w, v in r["workloads"].items()}}
                                    for r in result["runs"]]}
         Path(json_path).write_text(json.dumps(slim, indent=2))

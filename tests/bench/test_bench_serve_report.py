@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import serve_report as report
+from bench import vllm_setups
 from bench.serve import all_shapes, plan
 
 DATA = json.loads((Path(__file__).parent / "data" / "vllm_bench_serve_quick.json").read_text())
@@ -90,15 +91,52 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_plan_expands_vllm_and_pin_adds_the_long_shape():
+def test_plan_expands_vllm_and_pin_adds_the_long_shape(monkeypatch):
+    monkeypatch.setattr(vllm_setups, "missing", lambda name: None)
     work = {s.name: [sh.name for sh in shapes] for s, shapes in plan(_args(
         systems="pd,vllm", shapes="c1,c4", pin=True))}
-    assert work == {"pd": ["c1", "c4", "long"], "vllm-default": ["c1", "c4", "long"],
-                    "vllm-2t": ["c1", "c4", "long"], "pd-pinned": ["long"]}
+    assert work == {"pd": ["c1", "c4", "long"], "vllm-2t": ["c1", "c4", "long"],
+                    "vllm-default": ["c1", "c4", "long"], "vllm-tuned": ["c1", "c4", "long"],
+                    "pd-pinned": ["long"]}
     quick = {s.name: [sh.name for sh in shapes] for s, shapes in plan(_args(quick=True))}
-    assert quick == {n: ["c1", "c4"] for n in ("pd", "aggregated", "vllm-default", "vllm-2t")}
+    assert quick == {n: ["c1", "c4"] for n in ("pd", "aggregated", "vllm-2t", "vllm-default",
+                                               "vllm-tuned")}
     with pytest.raises(SystemExit):
         plan(_args(systems="sglang"))
+
+
+def test_a_vllm_setup_without_its_libraries_is_left_out_and_said(monkeypatch, capsys):
+    monkeypatch.setattr(vllm_setups, "missing",
+                        lambda name: "missing libiomp5.so" if name == "vllm-tuned" else None)
+    work = [s.name for s, _ in plan(_args(systems="vllm", shapes="c1"))]
+    assert work == ["vllm-2t", "vllm-default"]
+    assert "vllm-tuned not run: missing libiomp5.so" in capsys.readouterr().out
+
+
+def test_vllm_tuned_preloads_tcmalloc_and_intel_openmp(monkeypatch, tmp_path):
+    tc, iomp = tmp_path / "libtcmalloc_minimal.so.4", tmp_path / "libiomp5.so"
+    monkeypatch.setattr(vllm_setups, "tcmalloc", lambda: tc)
+    monkeypatch.setattr(vllm_setups, "iomp", lambda: iomp)
+    env = vllm_setups.env("vllm-tuned", 2)
+    assert env["LD_PRELOAD"] == f"{tc}:{iomp}"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    monkeypatch.setattr(vllm_setups, "iomp", lambda: None)
+    assert "intel-openmp" in vllm_setups.missing("vllm-tuned")
+    with pytest.raises(RuntimeError, match="make bench-peer"):
+        vllm_setups.env("vllm-tuned", 2)
+
+
+def test_passes_reduce_to_their_median_run():
+    base = quick_rows()[0]
+    runs = [{**base, "pass": p, "output_tok_s": tok, "ttft_p99_ms": ttft}
+            for p, tok, ttft in ((1, 300.0, 900.0), (2, 100.0, 500.0), (3, 200.0, 700.0))]
+    (row,) = report.median_rows(runs)
+    assert row["output_tok_s"] == 200.0 and row["ttft_p99_ms"] == 700.0
+    assert row["passes"] == 3 and sorted(row["passes_tok_s"]) == [100.0, 200.0, 300.0]
+    assert "pass" not in row
+    failed = {**base, "pass": 4, "error": "server did not start", "failed": 4}
+    (row,) = report.median_rows(runs[:2] + [failed])
+    assert row["output_tok_s"] == 100.0 and row["failed"] == base["failed"] * 2 + 4
 
 
 def test_default_shapes_scale_prompts_with_concurrency():
