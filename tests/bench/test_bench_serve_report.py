@@ -147,3 +147,14 @@ def test_default_shapes_scale_prompts_with_concurrency():
     assert (shapes["long"].input_len, shapes["long"].concurrency) == (1024, 16)
     assert (shapes["r4"].rate, shapes["r4"].num_prompts) == (4.0, 16)
     assert shapes["r4"].concurrency is None
+
+
+def test_a_run_that_streamed_fewer_tokens_than_asked_is_an_error():
+    shape = {"name": "c1", "input_len": 256, "output_len": 128, "concurrency": 1}
+    full = report.result_row("pd", shape, {"completed": 4, "total_output_tokens": 512,
+                                           "output_throughput": 90.0})
+    assert "error" not in full
+    short = report.result_row("pd", shape, {"completed": 4, "total_output_tokens": 500,
+                                            "output_throughput": 95.0})
+    assert "returned 500 output tokens, 512 asked" in short["error"]
+    assert report.ratios([short, {**full, "system": "vllm-2t"}]) == []
