@@ -179,19 +179,19 @@ def main(model: str, dtype: str, workloads: list[str], rounds: int, json_path: s
 
     vocab = ModelConfig.from_folder(Path(model)).vocab_size
     result = run(model, dtype, workloads, rounds, vocab, quick)
-    text = summarize(result)
-    print("\n" + text)
     if not json_path:       # every run leaves its result file, with the CPU it came from
         stamp = time.strftime("%Y%m%d-%H%M%S")
         (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
         json_path = str(ROOT / "bench" / "results" / f"versus-vllm-{stamp}.json")
+    # written before the summary, so a run's figures outlive a fault in the report
+    slim = {**result, "runs": [{**r, "workloads": {w: {"elapsed_s": v["elapsed_s"],
+                                                        "tokens_returned":
+                                                            sum(map(len, v["tokens"]))}
+                                                   for w, v in r["workloads"].items()}}
+                               for r in result["runs"]]}
+    Path(json_path).write_text(json.dumps(slim, indent=2))
+    text = summarize(result)
+    print("\n" + text)
     Path(json_path).with_suffix(".md").write_text(text + "\n")
     print(f"written: {json_path} and {Path(json_path).with_suffix('.md').name}")
-    if json_path:
-        slim = {**result, "runs": [{**r, "workloads": {w: {"elapsed_s": v["elapsed_s"],
-                                                            "tokens_returned":
-                                                                sum(map(len, v["tokens"]))}
-                                                       for w, v in r["workloads"].items()}}
-                                   for r in result["runs"]]}
-        Path(json_path).write_text(json.dumps(slim, indent=2))
     return 0
