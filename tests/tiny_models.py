@@ -1,7 +1,8 @@
 """Random-weight tiny HF models saved with save_pretrained, and HF greedy references.
 
 Norm weights and biases are randomised too (HF initialises them to ones/zeros), so a
-wrongly mapped norm or bias cannot go unnoticed.
+wrongly mapped norm or bias cannot go unnoticed; so are MoE routers (HF may start them at
+zero, every expert tied) and experts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ CONFIGS = {
                                  tie_word_embeddings=False)),
     "qwen3-qknorm-hd24": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2,
                                         head_dim=24, tie_word_embeddings=True)),
+    # MoE blocks in layers 1 and 2, a dense MLP in layer 0 (mlp_only_layers)
+    "qwen3-moe-e8k2": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_hidden_layers=3, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, decoder_sparse_step=1,
+                                         mlp_only_layers=[0], tie_word_embeddings=False)),
 }
 # not in the exactness grids (same architecture as one there): long prompts for fault tests
 LONG_CONTEXT = {
@@ -34,8 +41,9 @@ LONG_CONTEXT = {
 
 
 def _config(arch: str, overrides: dict):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "qwen3_moe": Qwen3MoeConfig}[arch]
     base = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -58,6 +66,10 @@ def make_tiny_model(name: str, root: Path, seed: int = 0):
             if "norm" in pname:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif pname.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+            elif pname.endswith("mlp.gate.weight"):     # an MoE router: decisive picks
+                p.copy_(0.5 * torch.randn_like(p))
+            elif ".experts." in pname:                  # HF may leave them uninitialised
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder, model

@@ -29,6 +29,7 @@ from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, silu_mul_packed
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.sdpa_attention import AttentionPlan, SdpaAttention
+from engine.models import moe
 from engine.models.model_config import ModelConfig
 
 
@@ -91,13 +92,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend,
-                 kernels: KernelOptions = DEFAULT_KERNELS):
+                 kernels: KernelOptions = DEFAULT_KERNELS, index: int = 0):
+        """index: the layer's place in the stack (an MoE config says which are sparse)."""
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, kernels)
         self.self_attn = Attention(cfg, rotary, backend, kernels)
         self.post_attention_layernorm = RMSNorm(h, eps, kernels)
-        self.mlp = MLP(cfg, kernels)
+        self.mlp = (moe.SparseMoeBlock(cfg) if moe.is_sparse_layer(cfg, index)
+                    else MLP(cfg, kernels))
 
     def forward(self, x, residual, positions, k_cache, v_cache, plan):
         """Returns (MLP output, residual stream before it); the caller adds them, in the
@@ -120,8 +123,10 @@ class DecoderForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling, kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, kernels)
-                                    for _ in range(cfg.num_hidden_layers))
+        if cfg.architecture in moe.MOE_ARCHITECTURES:
+            moe.check_config(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend, kernels, index=i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -225,6 +230,8 @@ class DecodeLayers:
             return None
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):        # an MoE block: the Python layers run it
+                return None
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (any(m.packed is None or m.packed.dtype != torch.bfloat16 for m in linears)
                     or any(m.bias is not None for m in linears[1:])

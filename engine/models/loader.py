@@ -20,6 +20,7 @@ from safetensors import safe_open
 from engine.layers import batch_invariant, cpu_bf16_gemm, linear_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.linear import can_pack, pack_linears
+from engine.models import moe
 from engine.models.model_config import ModelConfig
 from engine.models.registry import model_class
 
@@ -87,6 +88,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         if name == "lm_head.weight" and "lm_head.weight" not in handles:
             missing.append("lm_head.weight (and tie_word_embeddings is false)")
             continue
+        if ".mlp.experts." in name:           # merged or per-expert (engine/models/moe.py)
+            missing.extend(_copy_experts(param, names[0], handles, dtype))
+            continue
         missing.extend(copy_weight(param, names, handles, dtype))
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
@@ -102,6 +106,19 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         if bf16_gemm and kernels.cpu_bf16_gemm_measure:   # keep the copies where faster here
             linear_choice.choose(model)
     return model.eval(), cfg
+
+
+def _copy_experts(param: torch.nn.Parameter, hf_name: str, handles: dict,
+                  dtype: torch.dtype) -> list[str]:
+    value = moe.expert_tensor(hf_name, handles, param.shape[0])
+    if value is None:
+        return [f"{hf_name} (merged, or per expert as {hf_name.rsplit('.', 1)[0]}.<e>.*)"]
+    if value.shape != param.shape:
+        raise ValueError(f"weight {hf_name} has shape {tuple(value.shape)}, the config "
+                         f"implies {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(value.to(dtype))
+    return []
 
 
 def copy_weight(param: torch.nn.Parameter, names: list[str], handles: dict, dtype: torch.dtype,

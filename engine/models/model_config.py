@@ -68,7 +68,7 @@ class ModelConfig:
             attention_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
             o_proj_bias=not is_qwen2 and bool(cfg.get("attention_bias", False)),
             mlp_bias=is_llama and bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos_ids,

@@ -14,6 +14,8 @@ _MODELS = {
     "LlamaForCausalLM": "engine.models.decoder:DecoderForCausalLM",
     "Qwen2ForCausalLM": "engine.models.decoder:DecoderForCausalLM",
     "Qwen3ForCausalLM": "engine.models.decoder:DecoderForCausalLM",
+    # Qwen3's decoder with MoE blocks (engine/models/moe.py)
+    "Qwen3MoeForCausalLM": "engine.models.decoder:DecoderForCausalLM",
 }
 
 

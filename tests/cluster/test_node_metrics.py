@@ -218,3 +218,20 @@ def test_turns_and_wait_on_shared_cores(folder, tmp_path):
     got = scrape(metrics)
     assert got[("pdserve_core_share_turns_total", ())] >= 1
     assert got[("pdserve_core_share_wait_seconds_total", ())] >= held_s
+
+
+def test_the_kernels_chosen_by_measurement_are_exported(folder, tmp_path, monkeypatch):
+    """pdserve_cpu_kernel_choice: one sample per choice this process took (measured or read
+    from the machine's cache), labelled with what it was for and the kernel."""
+    from engine.layers import kernel_choice
+    cache = kernel_choice.ChoiceCache(tmp_path / "choices.json")
+    monkeypatch.setattr(kernel_choice, "CHOICES", cache)
+    engine = LLMEngine(EngineConfig(model=str(folder), **OPTS))
+    cache.choose("bf16_linear gemm [96, 64] decode x2 build", lambda: "onednn")
+    cache.choose("bf16_prefill_attention [4, 2, 64] block 16 build", lambda: "sdpa")
+    got = {labels: v for (name, labels), v in scrape(NodeMetrics("decode", "dec-0", engine)).items()
+           if name == "pdserve_cpu_kernel_choice"}
+    assert got == {(("choice", "bf16_linear gemm [96, 64] decode x2 build"),
+                    ("kernel", "onednn")): 1.0,
+                   (("choice", "bf16_prefill_attention [4, 2, 64] block 16 build"),
+                    ("kernel", "sdpa")): 1.0}
