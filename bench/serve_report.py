@@ -82,8 +82,8 @@ def median_rows(rows: list[dict]) -> list[dict]:
         ok.sort(key=lambda r: r["output_tok_s"])
         row = dict(ok[(len(ok) - 1) // 2])
         for key in row:
-            if key.endswith("_ms"):
-                vals = sorted(r[key] for r in ok if r.get(key) is not None)
+            if key.endswith("_ms") and not isinstance(row[key], dict):   # not phases_ms
+                vals = sorted(r[key] for r in ok if isinstance(r.get(key), (int, float)))
                 row[key] = vals[(len(vals) - 1) // 2] if vals else None
         row.update(failed=sum(r.get("failed") or 0 for r in runs), passes=len(runs),
                    passes_tok_s=[r["output_tok_s"] for r in runs if _ok(r)])

@@ -128,10 +128,12 @@ def test_vllm_tuned_preloads_tcmalloc_and_intel_openmp(monkeypatch, tmp_path):
 
 def test_passes_reduce_to_their_median_run():
     base = quick_rows()[0]
-    runs = [{**base, "pass": p, "output_tok_s": tok, "ttft_p99_ms": ttft}
+    runs = [{**base, "pass": p, "output_tok_s": tok, "ttft_p99_ms": ttft,
+             "phases_ms": {"prefill": tok}}
             for p, tok, ttft in ((1, 300.0, 900.0), (2, 100.0, 500.0), (3, 200.0, 700.0))]
     (row,) = report.median_rows(runs)
     assert row["output_tok_s"] == 200.0 and row["ttft_p99_ms"] == 700.0
+    assert row["phases_ms"] == {"prefill": 200.0}       # the median run's own
     assert row["passes"] == 3 and sorted(row["passes_tok_s"]) == [100.0, 200.0, 300.0]
     assert "pass" not in row
     failed = {**base, "pass": 4, "error": "server did not start", "failed": 4}
