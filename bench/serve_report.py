@@ -63,10 +63,11 @@ def _ok(row: dict) -> bool:
 
 
 def median_rows(rows: list[dict]) -> list[dict]:
-    """One row per (system, shape) over a sweep's passes: the median of each figure over the
-    passes that completed (an even count takes the lower middle: the figure of a real run),
-    failures summed, the passes' tok/s kept in `passes_tok_s`. Rows without a pass are
-    returned as they are."""
+    """One row per (system, shape) over a sweep's passes: the run of median output tok/s
+    among the passes that completed (an even count takes the slower of the middle two),
+    with all of that run's figures (latencies are not mixed across runs); failures summed,
+    the passes' tok/s kept in `passes_tok_s`. Rows without a pass are returned as they
+    are."""
     if not any("pass" in r for r in rows):
         return rows
     groups: dict[tuple, list[dict]] = {}
@@ -80,11 +81,7 @@ def median_rows(rows: list[dict]) -> list[dict]:
                         "passes": len(runs)})
             continue
         ok.sort(key=lambda r: r["output_tok_s"])
-        row = dict(ok[(len(ok) - 1) // 2])
-        for key in row:
-            if key.endswith("_ms") and not isinstance(row[key], dict):   # not phases_ms
-                vals = sorted(r[key] for r in ok if isinstance(r.get(key), (int, float)))
-                row[key] = vals[(len(vals) - 1) // 2] if vals else None
+        row = dict(ok[(len(ok) - 1) // 2])      # a real run's figures, all of them
         row.update(failed=sum(r.get("failed") or 0 for r in runs), passes=len(runs),
                    passes_tok_s=[r["output_tok_s"] for r in runs if _ok(r)])
         row.pop("pass", None)
