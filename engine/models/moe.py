@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP blocks (Qwen3-MoE), computed as HF computes them.
+"""Mixture-of-experts MLP blocks (Qwen3-MoE; DeepSeekMoE's block), computed as HF does.
 
 Qwen3-MoE: a router (a bias-free linear to `num_experts` logits) whose softmax is taken in
 float32; each token's `num_experts_per_tok` largest probabilities pick its experts, and
@@ -95,8 +95,9 @@ class SparseMoeBlock(nn.Module):
 
 
 class RouterWeight(nn.Module):
-    """The router's [num_experts, hidden] weight (HF's `mlp.gate.weight`), kept out of the
-    loader's linear packing."""
+    """A bare [out, in] weight used through F.linear as HF does (the router's
+    `mlp.gate.weight`, a shared expert's projections), kept out of the loader's linear
+    packing."""
 
     def __init__(self, num_experts: int, hidden: int):
         super().__init__()
@@ -128,9 +129,77 @@ class Experts(nn.Module):
             gate, up = F.linear(x.index_select(0, rows),
                                 self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, rows, y * slot_weights[start:start + n, None])
+            # (float32 DeepSeek weights: the product is float32, cast back as HF does)
+            out.index_add_(0, rows, (y * slot_weights[start:start + n, None]).to(out.dtype))
             start += n
         return out
+
+
+class DeepseekMoeBlock(nn.Module):
+    """DeepSeekMoE (DeepSeek-V3's sparse layers), as HF's DeepseekV3MoE computes it: the
+    router in float32 (the hidden state and weight cast up), sigmoid scores; for the choice
+    only, `e_score_correction_bias` is added, experts are split into `n_group` groups scored
+    by the sum of their two best, the `topk_group` best groups kept and the top-k taken among
+    their experts; the weights are the plain scores of the chosen, divided by their sum (+
+    1e-20) with `norm_topk_prob`, times `routed_scaling_factor`, kept in float32. The
+    routed experts run as `Experts`; `n_shared_experts` more run on every token as one SwiGLU
+    of width n_shared x moe_intermediate_size, added last."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        raw = cfg.raw
+        h = cfg.hidden_size
+        self.num_experts = raw["n_routed_experts"]
+        self.top_k = raw["num_experts_per_tok"]
+        self.n_group = raw.get("n_group", 1) or 1
+        self.topk_group = raw.get("topk_group", 1) or 1
+        self.norm_topk_prob = bool(raw.get("norm_topk_prob", True))
+        self.scaling = float(raw.get("routed_scaling_factor", 1.0))
+        inter = raw["moe_intermediate_size"]
+        if self.num_experts % self.n_group:
+            raise ValueError(f"{cfg.architecture}: n_routed_experts {self.num_experts} is "
+                             f"not a multiple of n_group {self.n_group}")
+        self.gate = RouterWeight(self.num_experts, h)
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+        self.experts = Experts(self.num_experts, h, inter)
+        shared = raw.get("n_shared_experts") or 0
+        self.shared_experts = SwiGlu(h, inter * shared) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], float32 weights [T, k]), as HF's router."""
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias
+        per_group = self.num_experts // self.n_group
+        group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, groups, 1)
+        keep = keep.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1,
+                                                                             self.num_experts)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = self.experts(x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class SwiGlu(nn.Module):
+    """down(silu(gate(x)) * up(x)) through F.linear, HF's parameter names."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = RouterWeight(inter, hidden)    # a bare [out, in] weight each
+        self.up_proj = RouterWeight(inter, hidden)
+        self.down_proj = RouterWeight(hidden, inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.gate_proj.weight))
+                        * F.linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
 def expert_tensor(our_name: str, handles: dict, num_experts: int) -> torch.Tensor | None:

@@ -103,3 +103,51 @@ def test_expert_weights_load_merged_or_one_tensor_per_expert():
 def test_a_config_it_cannot_serve_is_named(over, message):
     with pytest.raises(ValueError, match=message):
         moe.check_config(_cfg(**over))
+
+
+def _deepseek_pair(tokens: int, groups: int, topk_group: int, top_k: int, shared: int,
+                   norm: bool, seed: int):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    experts = 4 * groups
+    raw = dict(hidden_size=16, moe_intermediate_size=8, n_routed_experts=experts,
+               num_experts_per_tok=top_k, n_group=groups, topk_group=topk_group,
+               n_shared_experts=shared, norm_topk_prob=norm, routed_scaling_factor=2.5,
+               hidden_act="silu", first_k_dense_replace=0)
+    hf = DeepseekV3MoE(DeepseekV3Config(**raw)).float().eval()
+    cfg = ModelConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 64,
+                                 "intermediate_size": 32, "num_hidden_layers": 2,
+                                 "num_attention_heads": 2, **raw})
+    ours = moe.DeepseekMoeBlock(cfg).float()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        theirs = dict(hf.named_parameters()) | dict(hf.named_buffers())
+        for p in theirs.values():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        mine = dict(ours.named_parameters()) | dict(ours.named_buffers())
+        assert set(mine) <= set(theirs)         # HF's names, so checkpoints load as they are
+        for name, p in mine.items():
+            p.copy_(theirs[name])
+    x = torch.randn(tokens, 16, generator=gen)
+    return hf, ours, x
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(tokens=st.integers(1, 24), groups=st.integers(1, 4), data=st.data())
+def test_deepseek_block_equals_hf_bit_for_bit(tokens, groups, data):
+    """Sigmoid scores with the correction bias for the choice only, grouped top-k, the
+    routed scaling, shared experts: HF's DeepseekV3MoE on the same weights."""
+    topk_group = data.draw(st.integers(1, groups))
+    top_k = data.draw(st.integers(1, 4 * topk_group))
+    shared = data.draw(st.integers(0, 2))   # 0: HF's shared MLP has width 0 and adds zeros
+    norm = data.draw(st.booleans())
+    hf, ours, x = _deepseek_pair(tokens, groups, topk_group, top_k, shared, norm,
+                                 seed=tokens * 7 + groups)
+    with torch.inference_mode():
+        _, hf_weights, hf_ids = hf.gate(x)
+        ids, weights = ours.route(x)
+        want, got = hf(x[None])[0], ours(x)
+    order, hf_order = ids.sort(dim=-1), hf_ids.sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    assert torch.equal(weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices))
+    assert torch.equal(got, want)
