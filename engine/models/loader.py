@@ -20,7 +20,7 @@ from safetensors import safe_open
 from engine.layers import batch_invariant, cpu_bf16_gemm, linear_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.linear import can_pack, pack_linears
-from engine.models import moe
+from engine.models import fp8, moe
 from engine.models.model_config import ModelConfig
 from engine.models.registry import model_class
 
@@ -80,6 +80,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     model.to(dtype=dtype)
     model.rotary.float()        # cos/sin tables stay float32, cast at use (as HF)
     missing = []
+    block = fp8.block_size(cfg.raw)
     params = dict(model.named_parameters(remove_duplicate=True))
     for name, param in params.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -91,7 +92,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         if ".mlp.experts." in name:           # merged or per-expert (engine/models/moe.py)
             missing.extend(_copy_experts(param, names[0], handles, dtype))
             continue
-        missing.extend(copy_weight(param, names, handles, dtype))
+        missing.extend(copy_weight(param, names, handles, dtype, block=block))
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
                                           if len(missing) > 8 else "")
@@ -122,14 +123,16 @@ def _copy_experts(param: torch.nn.Parameter, hf_name: str, handles: dict,
 
 
 def copy_weight(param: torch.nn.Parameter, names: list[str], handles: dict, dtype: torch.dtype,
-                what: str = "weight", config: str = "the config") -> list[str]:
+                what: str = "weight", config: str = "the config",
+                block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> list[str]:
     """Copy the checkpoint tensors `names` (concatenated along dim 0 for a fused q/k/v or
     gate/up parameter) into `param`; returns the names the checkpoint lacks (nothing is
-    copied then). A shape that disagrees with the config is an error naming the weight."""
+    copied then). A shape that disagrees with the config is an error naming the weight. FP8
+    block-quantized tensors are dequantized with their scales (engine/models/fp8.py)."""
     absent = [n for n in names if n not in handles]
     if absent:
         return absent
-    tensors = [handles[n].get_tensor(n) for n in names]
+    tensors = [fp8.read(handles, n, block) for n in names]
     value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     if value.shape != param.shape:
         raise ValueError(f"{what} {'+'.join(names)} has shape {tuple(value.shape)}, "
