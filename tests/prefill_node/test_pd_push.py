@@ -68,6 +68,27 @@ def test_pd_greedy_equals_single_node_llm(folder, tcp, kv_push):
     run(_with_pair(folder, body, tcp=tcp, kv_push=kv_push))
 
 
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    return make_tiny_model("qwen3-moe-e8k2", tmp_path_factory.mktemp("models"))[0]
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["inproc", "tcp-data-plane"])
+def test_pd_on_a_moe_model_equals_single_node_llm(moe_folder, tcp):
+    """Qwen3-MoE (engine/models/moe.py) through PD: the pushed KV is the attention's, the
+    experts run on each node as on one."""
+    prompts = random_prompts(5, [1, 5, 9, 17, 33], 320, seed=8)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)
+    ref = LLM(moe_folder, **OPTS).generate([{"prompt_token_ids": p} for p in prompts], params)
+
+    async def body(pair):
+        outs = await asyncio.gather(*[pair.generate(f"m{i}", p, params)
+                                      for i, p in enumerate(prompts)])
+        for i, ((tokens, _, _), want) in enumerate(zip(outs, ref, strict=True)):
+            assert tokens == want.outputs[0].token_ids, f"prompt {i}"
+    run(_with_pair(moe_folder, body, tcp=tcp))
+
+
 def test_the_first_token_streams_alone_as_soon_as_the_push_is_admitted(folder):
     """The decode node's engine loop hands out what an admission made before it runs the
     next step: the pushed first token is not held back for the decode step that makes the
