@@ -7,12 +7,16 @@ each of two held-out prompt sets.
         [--ks 1,2,3] [--max-tokens 96] [--reps 2] [--dtype auto] [--threads 1] [--graph]
         [--json out.json]
 
-Sets (both kept out of the head's training, checked by tools/mtp_corpus.py and
-tests/tools/test_mtp_raw.py):
+Sets (all kept out of the head's training, checked by tools/mtp_corpus.py,
+tests/tools/test_mtp_raw.py and tests/tools/test_mtp_styles.py):
 - chat: chat requests (chat template) on TOPICS below x ASKS (64 prompts);
 - raw: tools/mtp_raw.py's held-out raw-text openings (no chat template: code in several
   languages, prose, lists, dialogue, questions; 64 prompts), as the completions API
-  gets them.
+  gets them;
+- styles: tools/mtp_styles.py, 12 request styles the corpus never uses (6 requests each)
+  and 5 kinds of raw source it does not draw on (4 openings each), one set each, with
+  the median style and the weakest per k (issue 39). `--sets styles --batches 1 --ks 1,3
+  --max-tokens 64 --dtype float32` is that issue's measurement.
 Greedy, ignore_eos, so every mode does the same work; the modes run interleaved, rep after
 rep, and the table shows medians, so load from other processes hits them alike. tokens/s
 = output tokens per second of wall time (prompts are short, so this is decode-dominated).
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import machine_facts, md_table  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tools.mtp_raw import held_out_raw_texts  # noqa: E402
+from tools.mtp_styles import chat_requests, raw_texts  # noqa: E402
 
 TOPICS = ["lighthouses", "the Great Wall of China", "knitting", "penguins", "tea ceremonies",
           "solar panels", "the Olympic games", "a pirate ship", "bicycles", "coral reefs",
@@ -63,7 +68,33 @@ def prompt_sets(tok, names: list[str]) -> dict[str, list[dict]]:
                         for c in chat_convs()]
     if "raw" in names:
         sets["raw"] = [{"prompt_token_ids": tok.encode(t)} for t in held_out_raw_texts()]
+    if "styles" in names:       # tools/mtp_styles.py: one set per style and raw source
+        for style, reqs in chat_requests().items():
+            sets[f"chat:{style}"] = [{"prompt_token_ids": tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": r}], True),
+                add_special_tokens=False)} for r in reqs]
+        for source, texts in raw_texts().items():
+            sets[f"raw:{source}"] = [{"prompt_token_ids": tok.encode(t)} for t in texts]
     return sets
+
+
+def style_summary(acceptance: dict, ks: list[int]) -> str:
+    """Per k, over the styled sets: the median style's acceptance length and the weakest
+    style, chat and raw apart (issue 39's targets read these)."""
+    rows = []
+    for kind in ("chat", "raw"):
+        for k in ks:
+            got = {name.split(":", 1)[1]: v["acceptance_length"]
+                   for key, v in acceptance.items()
+                   for name in [key.rsplit("_k", 1)[0]]
+                   if name.startswith(f"{kind}:") and key.endswith(f"_k{k}")}
+            if not got:
+                continue
+            ordered = sorted(got.values())
+            weakest = min(got, key=got.get)
+            rows.append([kind, k, len(got), f"{statistics.median(ordered):.3f}",
+                         f"{weakest} {got[weakest]:.3f}"])
+    return md_table(["kind", "k", "styles", "median style", "weakest style"], rows)
 
 
 def pick(prompts: list[dict], n: int, offset: int) -> list[dict]:
@@ -154,7 +185,9 @@ def main() -> int:
     ap.add_argument("--graph-max-seq-len", type=int, default=512,
                     help="with --graph: block-table width of the graphs (every replay "
                          "attends over all of it)")
-    ap.add_argument("--sets", default="chat,raw", help="held-out prompt sets: chat, raw")
+    ap.add_argument("--sets", default="chat,raw", help="held-out prompt sets: chat, raw, "
+                    "styles (tools/mtp_styles.py: one set per request style and raw source, "
+                    "with a median-style summary)")
     ap.add_argument("--no-acceptance", action="store_true",
                     help="skip the acceptance phase over every prompt of each set")
     ap.add_argument("--json")
@@ -188,6 +221,10 @@ def main() -> int:
                     "identical to off"], rows))
     if not args.no_acceptance and ks:
         results["acceptance"] = measure_acceptance(llms, ks, sets, args.max_tokens)
+        if "styles" in args.sets.split(","):
+            print()
+            print("by style (tools/mtp_styles.py):")
+            print(style_summary(results["acceptance"], ks))
     if args.graph:      # every verify batch should replay: fallbacks are the prompts only
         for k, llm in llms.items():
             st = llm.stats()
