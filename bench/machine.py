@@ -13,19 +13,6 @@ import torch
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return model, flags
-
-
 def _caches() -> dict[str, str]:
     """{"L1d": "48K", "L2": "2048K", "L3": "491520K"} of CPU 0 (L2 is per core on most
     server CPUs, L3 shared)."""
@@ -53,7 +40,8 @@ def model_kernels(model: str, dtype: str) -> dict[str, str]:
 
 
 def cpu_record() -> dict:
-    model, flags = _cpuinfo()
+    from engine.layers.kernel_choice import cpu_model_and_flags
+    model, flags = cpu_model_and_flags()
     return {"cpu_model": model, "flags": {f: f in flags for f in FLAGS},
             "os_cpus": os.cpu_count(), "caches": _caches(), "torch": torch.__version__,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import cpu_line, cpu_record  # noqa: E402
+from engine.layers.kernel_select import best_of  # noqa: E402
 from engine.models import moe  # noqa: E402
 from engine.models.model_config import ModelConfig  # noqa: E402
-
-
-def best(fn, reps: int = 7) -> float:
-    fn()
-    fn()
-    out = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t)
-    return out
 
 
 def main() -> int:
@@ -79,8 +68,8 @@ def main() -> int:
                     gate, up = F.linear(xe, w_up[e]).chunk(2, dim=-1)
                     F.linear(gate * up, w_down[e])
 
-            t_block = best(lambda x=x: block(x))
-            t_gemm = best(gemms)
+            t_block = best_of(lambda x=x: block(x), passes=7)
+            t_gemm = best_of(gemms, passes=7)
             print(f"{rows:>6} {t_block * 1e3:>9.2f} {t_gemm * 1e3:>9.2f} "
                   f"{t_block / t_gemm:>11.2f}x {len(groups):>12}")
     return 0

@@ -34,18 +34,26 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "a
 
 
 @functools.cache
-def machine_key() -> str:
-    """The CPU model, its relevant ISA flags and the torch version."""
-    model, flags = "unknown cpu", set()
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """The CPU model name and its flags, from /proc/cpuinfo ("unknown cpu" and none where
+    it cannot be read)."""
+    model, flags = "unknown cpu", frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name") and model == "unknown cpu":
                     model = line.split(":", 1)[1].strip()
                 elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return model, flags
+
+
+@functools.cache
+def machine_key() -> str:
+    """The CPU model, its relevant ISA flags and the torch version."""
+    model, flags = cpu_model_and_flags()
     isa = ",".join(f for f in ISA_FLAGS if f in flags)
     return f"{model} [{isa}] torch {torch.__version__}"
 

@@ -114,11 +114,7 @@ def _copy_experts(param: torch.nn.Parameter, hf_name: str, handles: dict,
     value = moe.expert_tensor(hf_name, handles, param.shape[0])
     if value is None:
         return [f"{hf_name} (merged, or per expert as {hf_name.rsplit('.', 1)[0]}.<e>.*)"]
-    if value.shape != param.shape:
-        raise ValueError(f"weight {hf_name} has shape {tuple(value.shape)}, the config "
-                         f"implies {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(value.to(dtype))
+    _assign(param, value, dtype, f"weight {hf_name}", "the config")
     return []
 
 
@@ -134,9 +130,15 @@ def copy_weight(param: torch.nn.Parameter, names: list[str], handles: dict, dtyp
         return absent
     tensors = [fp8.read(handles, n, block) for n in names]
     value = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    _assign(param, value, dtype, f"{what} {'+'.join(names)}", config)
+    return []
+
+
+def _assign(param: torch.nn.Parameter, value: torch.Tensor, dtype: torch.dtype, label: str,
+            config: str) -> None:
+    """value into param, cast; a shape the config does not imply is an error naming it."""
     if value.shape != param.shape:
-        raise ValueError(f"{what} {'+'.join(names)} has shape {tuple(value.shape)}, "
-                         f"{config} implies {tuple(param.shape)}")
+        raise ValueError(f"{label} has shape {tuple(value.shape)}, {config} implies "
+                         f"{tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(value.to(dtype))
-    return []
