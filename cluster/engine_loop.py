@@ -40,17 +40,21 @@ class EngineLoop:
                  name: str = "engine", trimmer: HeapTrimmer | None = None,
                  observer: Callable[[], None] | None = None,
                  step_gate: CoreShare | None = None,
+                 before_release: Callable[[], object] | None = None,
                  admit_window: tuple[float, float] = (ADMIT_QUIET_S, ADMIT_MAX_S)):
         """trimmer: gives freed heap memory back to the OS after work (cluster/heap_trim.py;
         default: glibc's malloc_trim unless PDSERVE_HEAP_TRIM=0). observer: called on this
         thread after every pass (and when idle, every IDLE_WAIT_S). step_gate: a step runs
-        only in this node's turn (cluster/core_share.py). admit_window: (quiet, max)
+        only in this node's turn (cluster/core_share.py). before_release: with a step
+        gate, what must finish in this node's turn after each step (a prefill node's pushes
+        delivering the step's KV: cluster/kv_transfer/handoff.py). admit_window: (quiet, max)
         seconds the loop lets arrivals settle after idling ((0, 0): step at once)."""
         self.engine = engine
         self.outbox = outbox
         self.observer = observer
         self.trimmer = trimmer if trimmer is not None else default_trimmer()
         self.step_gate = step_gate
+        self.before_release = before_release
         self._idle = True
         self.admit_quiet_s, self.admit_max_s = admit_window
         self._wake = threading.Event()
@@ -98,6 +102,7 @@ class EngineLoop:
                 outputs = eng.abort_all()
             finally:
                 if gate is not None:
+                    self._finish_turn()
                     gate.release()
             self._deliver(outputs)
             self._idle = not eng.has_work()
@@ -140,6 +145,14 @@ class EngineLoop:
         self._idle = not work
         self._wake.wait(IDLE_WAIT_S)
         return False
+
+    def _finish_turn(self) -> None:
+        if self.before_release is None:
+            return
+        try:
+            self.before_release()
+        except Exception:  # noqa: BLE001 - never keep the turn, nor stop the loop, for it
+            log.exception("engine loop: work before releasing the turn failed")
 
     def _deliver(self, outputs: list) -> None:
         self._observe()

@@ -10,6 +10,7 @@ from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
 from cluster.engine_loop import EngineLoop
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport
+from cluster.kv_transfer.handoff import TurnHandoffs
 from cluster.node_metrics import NodeMetrics
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
@@ -48,12 +49,16 @@ class PrefillNode:
         self.fingerprint = engine_fingerprint(self.engine)
         self.transport = transport
         self.metrics = NodeMetrics("prefill", node_id, self.engine, core_share=core_share)
+        # on shared cores a step's pushes are delivered in the node's own turn
+        self.handoffs = TurnHandoffs() if core_share is not None and not per_layer else None
         self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer,
-                               step_gate=core_share)
+                               step_gate=core_share,
+                               before_release=self.handoffs.wait if self.handoffs else None)
         self.service = PrefillService(self.engine, transport, self.fingerprint,
                                       node_id=node_id, model_id=Path(config.model).name,
                                       chunk_bytes=chunk_bytes, decode_gate=self.decode_gate,
-                                      metrics=self.metrics, push_per_layer=per_layer)
+                                      metrics=self.metrics, push_per_layer=per_layer,
+                                      handoffs=self.handoffs)
 
     def start(self, advertise_host: str | None = None) -> None:
         """Call from the event loop that serves the service."""

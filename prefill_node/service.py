@@ -20,6 +20,7 @@ import grpc
 
 from cluster import tracing
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport, PushFailed
+from cluster.kv_transfer.handoff import TurnHandoffs
 from cluster.kv_transfer.sender import PushSender
 from cluster.node_metrics import NodeMetrics
 from cluster.proto_convert import (
@@ -43,12 +44,16 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, engine, transport: KvTransport, fingerprint: Fingerprint,
                  node_id: str = "prefill", model_id: str = "",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, decode_gate: DecodeGate | None = None,
-                 metrics: NodeMetrics | None = None, push_per_layer: bool = True):
+                 metrics: NodeMetrics | None = None, push_per_layer: bool = True,
+                 handoffs: TurnHandoffs | None = None):
         """metrics: the node's request and KV push metrics (None: not observed).
         push_per_layer: each layer's KV leaves as the forward writes it; False: a step's
-        layers leave together after its forward (cluster/kv_transfer/sender.py)."""
+        layers leave together after its forward (cluster/kv_transfer/sender.py).
+        handoffs: where the pushes count what a step handed them and not yet delivered
+        (cluster/kv_transfer/handoff.py; None: nobody waits for it)."""
         self.engine = engine
         self.push_per_layer = push_per_layer
+        self.handoffs = handoffs
         self.metrics = metrics
         self.decode_gate = decode_gate or OpenDecodeGate()
         self.transport = transport
@@ -105,7 +110,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         sender = PushSender(asyncio.get_running_loop(), header, self.fingerprint.dtype,
                             self.chunk_bytes,
                             raw_payload=getattr(self.transport, "wants_raw_payload", False),
-                            lease_ms=request.lease_ms, per_layer=self.push_per_layer)
+                            lease_ms=request.lease_ms, per_layer=self.push_per_layer,
+                            handoffs=self.handoffs)
 
         try:
             command = push_request(rid, list(request.prompt_token_ids), params,
@@ -144,6 +150,7 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
             await self._notify_decode(request, "prefill cancelled by its caller")
             raise
         finally:
+            sender.end()
             self.inflight.pop(rid, None)
         if self.metrics is not None:      # the push's own time: first layer -> the reply
             began = sender.first_layer_at

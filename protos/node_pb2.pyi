@@ -12,8 +12,10 @@ class KvKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_KIND_KEY: _ClassVar[KvKind]
     KV_KIND_VALUE: _ClassVar[KvKind]
+    KV_KIND_KEY_VALUE: _ClassVar[KvKind]
 KV_KIND_KEY: KvKind
 KV_KIND_VALUE: KvKind
+KV_KIND_KEY_VALUE: KvKind
 
 class Fingerprint(_message.Message):
     __slots__ = ("model", "dtype", "block_size", "kv_layout", "num_layers", "num_kv_heads", "head_dim", "mtp")
@@ -154,20 +156,22 @@ class PushHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reservation_id: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., push_token: _Optional[bytes] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("layer", "kind", "block_ids", "shape", "dtype", "data")
+    __slots__ = ("layer", "kind", "block_ids", "shape", "dtype", "data", "num_layers")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     kind: KvKind
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     data: bytes
-    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[_Union[KvKind, str]] = ..., block_ids: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class MtpPayload(_message.Message):
     __slots__ = ("last_hidden_state", "hidden_shape", "dtype", "draft_kv")

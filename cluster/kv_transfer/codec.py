@@ -43,6 +43,45 @@ def layer_chunk_parts(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: 
     return parts
 
 
+def step_chunk_parts(layers: list[tuple[int, torch.Tensor, torch.Tensor]],
+                     dst_block_ids: list[int], dtype: str, max_bytes: int
+                     ) -> list[tuple[node_pb2.KvChunk, list[torch.Tensor]]]:
+    """A step's layers of one push, (layer, k, v) in layer order, all for the same blocks:
+    runs of consecutive layers whose K and V fit in max_bytes as one KV_KIND_KEY_VALUE chunk
+    each ([num_layers, 2, n, block_size, heads, dim]: the tensors k0, v0, k1, v1, ... in
+    wire order, not copied together); a layer too large for one chunk is split as
+    layer_chunk_parts splits it. Why: every chunk costs both nodes a frame's worth of
+    Python (parse, validate, hand to the event loop); two per layer made a 256-token
+    prompt 60 chunks, and on a 2-core box that per-chunk work, not the bytes, was most of
+    a push (issue 36)."""
+    parts: list[tuple[node_pb2.KvChunk, list[torch.Tensor]]] = []
+    run: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        k0 = run[0][1]
+        meta = node_pb2.KvChunk(layer=run[0][0], kind=node_pb2.KV_KIND_KEY_VALUE,
+                                num_layers=len(run), block_ids=dst_block_ids,
+                                shape=[len(run), 2, *k0.shape], dtype=dtype)
+        parts.append((meta, [t for _, k, v in run for t in (k, v)]))
+        run.clear()
+
+    for layer, k, v in layers:
+        size = 2 * k.numel() * k.element_size()
+        if size > max_bytes:
+            flush()
+            parts.extend((meta, [t]) for meta, t in
+                         layer_chunk_parts(layer, dst_block_ids, k, v, dtype, max_bytes))
+            continue
+        contiguous = not run or (layer == run[-1][0] + 1)
+        if run and (not contiguous or (len(run) + 1) * size > max_bytes):
+            flush()
+        run.append((layer, k, v))
+    flush()
+    return parts
+
+
 def layer_chunks(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
                  dtype: str, max_bytes: int) -> list[node_pb2.KvChunk]:
     """layer_chunk_parts with the bytes inside the messages (gRPC)."""

@@ -72,11 +72,12 @@ from engine.sampling_params import SamplingParams
 
 __all__ = ["CapacityError", "Draining", "KvReceiver", "PushDenied", "PushRejected",
            "Reservation",
-           "ReleaseReason", "ReservationState", "UnknownReservation", "KEY", "VALUE"]
+           "ReleaseReason", "ReservationState", "UnknownReservation", "KEY", "VALUE",
+           "KEY_VALUE"]
 
 log = logging.getLogger(__name__)
 
-KEY, VALUE = 0, 1
+KEY, VALUE, KEY_VALUE = 0, 1, 2     # KEY_VALUE: K and V of a layer run in one chunk
 TOKEN_BYTES = 32
 
 
@@ -224,18 +225,25 @@ class KvReceiver:
         res.deadline = max(res.deadline, time.monotonic() + res.lease_s)
 
     def write(self, reservation_id: str, layer: int, kind: int, block_ids: list[int],
-              shape: list[int], dtype: str, data: bytes | memoryview, *, token: bytes
-              ) -> None:
-        """Validate one chunk fully (token first), then copy it into the reserved blocks."""
+              shape: list[int], dtype: str, data: bytes | memoryview, *, token: bytes,
+              num_layers: int = 0) -> None:
+        """Validate one chunk fully (token first), then copy it into the reserved blocks.
+        kind KEY or VALUE: one layer's K or V; KEY_VALUE: K and V of layers [layer, layer
+        + num_layers), shape [num_layers, 2, n, *block]."""
         res = self.authorize(reservation_id, token)
-        num_layers = len(self.engine.kv_cache.k)
-        if not 0 <= layer < num_layers:
-            raise PushRejected(f"layer {layer} out of range [0, {num_layers})")
-        if kind not in (KEY, VALUE):
-            raise PushRejected(f"kv kind {kind} is neither K (0) nor V (1)")
+        total = len(self.engine.kv_cache.k)
+        if kind not in (KEY, VALUE, KEY_VALUE):
+            raise PushRejected(f"kv kind {kind} is none of K (0), V (1), K and V (2)")
+        if kind != KEY_VALUE and num_layers > 1:
+            raise PushRejected(f"a chunk of kind {kind} holds one layer, not {num_layers}")
+        run = max(num_layers, 1)
+        if not 0 <= layer or layer + run > total:
+            raise PushRejected(f"layers [{layer}, {layer + run}) out of range [0, {total})")
         if dtype != self._dtype_name:
             raise PushRejected(f"dtype {dtype!r} does not match this node's {self._dtype_name!r}")
         expected_shape = [len(block_ids), *self._block_shape]
+        if kind == KEY_VALUE:
+            expected_shape = [run, 2, *expected_shape]
         if list(shape) != expected_shape:
             raise PushRejected(f"shape {list(shape)} does not match {expected_shape} for "
                                f"{len(block_ids)} blocks")
@@ -257,8 +265,14 @@ class KvReceiver:
             if not res.open:
                 raise UnknownReservation(f"reservation {reservation_id!r} ended during the push")
             self._transition(res, ReservationState.RECEIVING)   # no-op once receiving
-            self.engine.kv_cache.write_blocks(layer, kind == VALUE, list(block_ids), src)
-            res.pending[(layer, kind)].difference_update(block_ids)
+            cache, ids = self.engine.kv_cache, list(block_ids)
+            if kind != KEY_VALUE:
+                cache.write_blocks(layer, kind == VALUE, ids, src)
+                res.pending[(layer, kind)].difference_update(block_ids)
+            for i in range(run if kind == KEY_VALUE else 0):
+                for k in (KEY, VALUE):
+                    cache.write_blocks(layer + i, k == VALUE, ids, src[i, k])
+                    res.pending[(layer + i, k)].difference_update(block_ids)
             res.bytes_received += nbytes
             res.chunks_received += 1
 

@@ -81,10 +81,11 @@ class PushHandler:
                     # bytes copy into the cache: off the event loop for large chunks
                     args = (header.reservation_id, c.layer, c.kind, list(c.block_ids),
                             list(c.shape), c.dtype, data)
+                    kw = {"token": token, "num_layers": c.num_layers}
                     if len(data) > (1 << 20):
-                        await asyncio.to_thread(self.receiver.write, *args, token=token)
+                        await asyncio.to_thread(self.receiver.write, *args, **kw)
                     else:
-                        self.receiver.write(*args, token=token)
+                        self.receiver.write(*args, **kw)
                     self.receiver.renew(header.reservation_id, token)
                     chunks += 1
                 elif which == "done":

@@ -6,14 +6,21 @@ then `done` with the first sampled token."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES
-from cluster.kv_transfer.codec import layer_chunk_parts, tensor_bytes, tensor_view
+from cluster.kv_transfer.codec import (
+    layer_chunk_parts,
+    step_chunk_parts,
+    tensor_bytes,
+    tensor_view,
+)
+from cluster.kv_transfer.handoff import TurnHandoffs
 from cluster.kv_transfer.mtp_payload import handoff_to_proto
 from cluster.proto_convert import logprob_to_proto
 from engine.logprobs import TokenLogprob
@@ -33,6 +40,7 @@ class LayerReady:
 @dataclass(frozen=True)
 class StepLayers:
     layers: tuple[LayerReady, ...]    # a step's layers, sent together
+    taken: Callable[[], None] | None = None   # closer: the transport took them (handoff.py)
 
 
 @dataclass(frozen=True)
@@ -68,15 +76,22 @@ class PushSender:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, header: node_pb2.PushHeader,
                  dtype: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES, raw_payload: bool = False,
-                 lease_ms: int = 0, per_layer: bool = True):
+                 lease_ms: int = 0, per_layer: bool = True,
+                 handoffs: TurnHandoffs | None = None):
         """per_layer: hand each layer to the event loop as the forward writes it, so the
         push overlaps the compute. False: a step's layers go together after its forward,
         one wake-up of the event loop and the sending threads per step instead of one per
         layer: on a CPU those threads take the cores from the forward's OpenMP team, and
-        every layer they preempt stalls the whole team (prefill_node/node.py)."""
+        every layer they preempt stalls the whole team (prefill_node/node.py).
+        handoffs: with per_layer=False, each step's KV counts as outstanding there until the
+        transport took it, and the last step's until the decode node answered the push
+        (`end()`): the node keeps its turn on shared cores meanwhile (handoff.py)."""
         self.loop = loop
         self.per_layer = per_layer
         self._held: list[LayerReady] = []       # engine thread only (per_layer=False)
+        self.handoffs = handoffs if not per_layer else None
+        self._closers: list[Callable[[], None]] = []   # every closer opened (for end())
+        self._closers_lock = threading.Lock()
         # raw_payload: yield (message, bytes view) pairs for transports that move chunk
         # bytes outside the message (no copy into protobuf)
         self.raw_payload = raw_payload
@@ -108,17 +123,34 @@ class PushSender:
         else:
             self._held.append(event)
 
+    def _open_handoff(self) -> Callable[[], None] | None:
+        if self.handoffs is None:
+            return None
+        close = self.handoffs.open()
+        with self._closers_lock:
+            self._closers.append(close)
+        return close
+
     def on_step_end(self) -> None:
         if self._held:
-            self._put(StepLayers(tuple(self._held)))
+            self._put(StepLayers(tuple(self._held), self._open_handoff()))
             self._held = []
 
     def on_first_token(self, token_id: int, logprob: TokenLogprob | None,
                        mtp=None) -> None:
+        # the prompt's last step: outstanding until the decode node answers (end())
+        self._open_handoff()
         self._put(FirstToken(token_id, logprob, mtp))
 
     def on_error(self, exc: BaseException) -> None:
         self._put(PushError(exc))
+
+    def end(self) -> None:
+        """The push is over (answered, refused or failed): nothing of it is outstanding."""
+        with self._closers_lock:
+            closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
     def cancel(self, exc: BaseException) -> None:
         """From the event loop: end the stream without `done` (the receiver then refuses)."""
@@ -135,9 +167,11 @@ class PushSender:
                 yield node_pb2.KvPushMessage(keepalive=node_pb2.PushKeepalive())
                 continue
             if isinstance(event, (LayerReady, StepLayers)):
-                for layer in event.layers if isinstance(event, StepLayers) else (event,):
-                    for item in await self._chunks(layer):
-                        yield item
+                layers = event.layers if isinstance(event, StepLayers) else (event,)
+                for item in await self._chunks(layers):
+                    yield item
+                if isinstance(event, StepLayers) and event.taken is not None:
+                    event.taken()         # resumed past the last chunk: the transport has it
             elif isinstance(event, FirstToken):
                 token, entry = event.token_id, event.logprob
                 self.first_token, self.first_logprob = token, entry
@@ -154,21 +188,34 @@ class PushSender:
                 self.token_ready.set()
                 return
 
-    async def _chunks(self, event: LayerReady) -> list:
-        """One layer's K/V as push messages (with their raw bytes apart, for raw_payload)."""
+    async def _chunks(self, layers: tuple[LayerReady, ...]) -> list:
+        """Layers' K/V as push messages (with their raw bytes apart, for raw_payload): one
+        layer as its K and V chunks, a step's layers (same blocks) in layer runs
+        (codec.step_chunk_parts)."""
         if self.first_layer_at is None:
             self.first_layer_at = time.monotonic()
-        if event.ready is not None:
-            await asyncio.to_thread(event.ready.synchronize)
+        for event in layers:
+            if event.ready is not None:
+                await asyncio.to_thread(event.ready.synchronize)
+        first = layers[0]
+        if len(layers) > 1 and all(e.dst_block_ids == first.dst_block_ids for e in layers):
+            parts = step_chunk_parts([(e.layer, e.k, e.v) for e in layers],
+                                     first.dst_block_ids, self.dtype, self.chunk_bytes)
+        else:
+            parts = [(meta, [t]) for e in layers
+                     for meta, t in layer_chunk_parts(e.layer, e.dst_block_ids, e.k, e.v,
+                                                      self.dtype, self.chunk_bytes)]
         out = []
-        for meta, part in layer_chunk_parts(event.layer, event.dst_block_ids, event.k,
-                                            event.v, self.dtype, self.chunk_bytes):
+        for meta, tensors in parts:
             self.num_chunks += 1
-            self.num_bytes += part.numel() * part.element_size()
+            self.num_bytes += sum(t.numel() * t.element_size() for t in tensors)
             if self.raw_payload:
-                out.append((node_pb2.KvPushMessage(chunk=meta), tensor_view(part)))
+                views = [tensor_view(t) for t in tensors]
+                out.append((node_pb2.KvPushMessage(chunk=meta),
+                            views[0] if len(views) == 1 else views))
             else:
-                meta.data = tensor_bytes(part)
+                meta.data = b"".join(tensor_bytes(t) for t in tensors)
                 out.append(node_pb2.KvPushMessage(chunk=meta))
-        self.blocks_pushed.update(event.dst_block_ids)
+        for event in layers:
+            self.blocks_pushed.update(event.dst_block_ids)
         return out

@@ -224,7 +224,7 @@ class TcpKvServer:
                     ch = msg.chunk
                     receiver.write(header.reservation_id, ch.layer, ch.kind,
                                    list(ch.block_ids), list(ch.shape), ch.dtype, data,
-                                   token=header.push_token)
+                                   token=header.push_token, num_layers=ch.num_layers)
                     data = WRITTEN
                 self._put(c, (msg, data))
                 if which == "done":

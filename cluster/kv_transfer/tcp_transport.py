@@ -98,9 +98,11 @@ class TcpTransport(KvTransport):
                     break
                 msg, data = item if isinstance(item, tuple) else _split(item)
                 meta = msg.SerializeToString()
-                out.put(FRAME.pack(len(meta), len(data) if data is not None else 0) + meta)
-                if data is not None:
-                    out.put(data)
+                # one chunk's bytes may come as several buffers (a layer run's K and V)
+                bufs = [] if data is None else data if isinstance(data, list) else [data]
+                out.put(FRAME.pack(len(meta), sum(len(b) for b in bufs)) + meta)
+                for buf in bufs:
+                    out.put(buf)
         finally:
             out.put(None)
         try:
@@ -200,7 +202,7 @@ async def _as_messages(items: AsyncIterator) -> AsyncIterator[node_pb2.KvPushMes
         if isinstance(item, tuple):
             msg, data = item
             if data is not None:
-                msg.chunk.data = bytes(data)
+                msg.chunk.data = b"".join(data) if isinstance(data, list) else bytes(data)
             yield msg
         else:
             yield item

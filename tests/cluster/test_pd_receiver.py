@@ -9,6 +9,7 @@ import torch
 
 from cluster.kv_transfer.kv_receiver import (
     KEY,
+    KEY_VALUE,
     VALUE,
     CapacityError,
     Draining,
@@ -97,7 +98,8 @@ def test_reserve_gives_blocks_for_the_prompt_and_skips_cached_prefix(rx):
 
 
 @pytest.mark.parametrize("bad", ["unknown", "layer", "kind", "dtype", "shape", "bytes",
-                                 "stray_block", "duplicate_block"])
+                                 "stray_block", "duplicate_block", "run_of_one_kind",
+                                 "run_past_last_layer", "run_shape"])
 def test_bad_chunk_is_refused_and_writes_nothing(rx, bad):
     res = _reserve(rx, "a", list(range(10, 19)), _greedy())
     ids = res.push_block_ids
@@ -109,7 +111,17 @@ def test_bad_chunk_is_refused_and_writes_nothing(rx, bad):
     elif bad == "layer":
         args["layer"] = 99
     elif bad == "kind":
-        args["kind"] = 2
+        args["kind"] = 3
+    elif bad == "run_of_one_kind":                   # a layer run must carry K and V
+        args["num_layers"] = 2
+    elif bad in ("run_past_last_layer", "run_shape"):
+        n = len(rx.engine.kv_cache.k)
+        run = torch.zeros(n, 2, *t.shape)
+        args.update(kind=KEY_VALUE, num_layers=n, shape=list(run.shape), data=_bytes(run))
+        if bad == "run_past_last_layer":
+            args["layer"] = 1
+        else:
+            args["shape"] = [n, 1, *t.shape]
     elif bad == "dtype":
         args["dtype"] = "bfloat16"
     elif bad == "shape":
@@ -149,6 +161,26 @@ def test_written_bytes_land_in_the_reserved_blocks(rx):
     rx.write(res.reservation_id, 1, VALUE, ids, list(t.shape), "float32", _bytes(t),
              token=res.token)
     assert torch.equal(gather_blocks(rx.engine.kv_cache.v[1], torch.tensor(ids)), t)
+
+
+def test_a_layer_run_lands_every_layer_and_completes_the_push(rx):
+    """KEY_VALUE chunks (a step's layers in runs) fill the same blocks as K and V chunks
+    per layer would, and complete the push."""
+    res = _reserve(rx, "a", list(range(10, 19)), _greedy())
+    ids = res.push_block_ids
+    n = len(rx.engine.kv_cache.k)
+    run = torch.randn(n, 2, len(ids), *rx.engine.kv_cache.block_shape)
+    split = n // 2                                    # two runs: [0, split), [split, n)
+    for first, stop in ((0, split), (split, n)):
+        part = run[first:stop]
+        rx.write(res.reservation_id, first, KEY_VALUE, ids, list(part.shape), "float32",
+                 _bytes(part), token=res.token, num_layers=stop - first)
+    kv = rx.engine.kv_cache
+    for layer in range(n):
+        assert torch.equal(gather_blocks(kv.k[layer], torch.tensor(ids)), run[layer, 0])
+        assert torch.equal(gather_blocks(kv.v[layer], torch.tensor(ids)), run[layer, 1])
+    seq = rx.complete(res.reservation_id, 7, token=res.token).result(timeout=0)
+    assert seq.output_token_ids == [7]
 
 
 def test_lease_expiry_returns_blocks(rx):
