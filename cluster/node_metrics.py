@@ -156,8 +156,9 @@ class _CoreShareCollector(Collector):
     """A node's turns on CPU cores shared with other nodes (cluster/core_share.py): how often
     it stepped in its turn and how long it waited for another node's step to end."""
 
-    def __init__(self, core_share, labels: list[str]):
+    def __init__(self, core_share, labels: list[str], handoffs=None):
         self.core_share = core_share
+        self.handoffs = handoffs      # a prefill node's TurnHandoffs (kv_transfer/handoff.py)
         self.labels = labels
 
     def collect(self):
@@ -170,12 +171,24 @@ class _CoreShareCollector(Collector):
                                      "its own", labels=LABELS)
         waited.add_metric(self.labels, self.core_share.waited_s)
         yield from (turns, waited)
+        if self.handoffs is None:
+            return
+        held = CounterMetricFamily("pdserve_core_share_push_hold_seconds", "Time this "
+                                   "prefill node kept its turn after steps, until the "
+                                   "steps' KV pushes delivered", labels=LABELS)
+        held.add_metric(self.labels, self.handoffs.waited_s)
+        late = CounterMetricFamily("pdserve_core_share_push_hold_timeouts", "Turns released "
+                                   "before the step's KV pushes delivered (the bound ran "
+                                   "out: a slow or silent decode node)", labels=LABELS)
+        late.add_metric(self.labels, self.handoffs.timeouts)
+        yield from (held, late)
 
 
 class NodeMetrics:
     """Everything one node exports. `observer` goes to the node's EngineLoop."""
 
-    def __init__(self, role: str, node_id: str, engine, receiver=None, core_share=None):
+    def __init__(self, role: str, node_id: str, engine, receiver=None, core_share=None,
+                 handoffs=None):
         self.role, self.node_id = role, node_id
         self.registry = r = CollectorRegistry()
         lv = [role, node_id]
@@ -184,7 +197,7 @@ class NodeMetrics:
         if receiver is not None:
             r.register(_ReservationCollector(receiver, lv))
         if core_share is not None:
-            r.register(_CoreShareCollector(core_share, lv))
+            r.register(_CoreShareCollector(core_share, lv, handoffs))
         device = getattr(engine, "device", None)
         if getattr(device, "is_cpu", False):
             from engine.layers.cpu_extension import kernel_report

@@ -48,9 +48,10 @@ class PrefillNode:
         self._gate_start: asyncio.Task | None = None
         self.fingerprint = engine_fingerprint(self.engine)
         self.transport = transport
-        self.metrics = NodeMetrics("prefill", node_id, self.engine, core_share=core_share)
         # on shared cores a step's pushes are delivered in the node's own turn
         self.handoffs = TurnHandoffs() if core_share is not None and not per_layer else None
+        self.metrics = NodeMetrics("prefill", node_id, self.engine, core_share=core_share,
+                                   handoffs=self.handoffs)
         self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer,
                                step_gate=core_share,
                                before_release=self.handoffs.wait if self.handoffs else None)

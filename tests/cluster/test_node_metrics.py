@@ -174,9 +174,10 @@ def test_docs_operations_names_exactly_the_exported_metrics(folder, tmp_path):
     engine = LLMEngine(EngineConfig(model=str(folder), enable_graph=True,
                                     speculative_method="mtp", num_speculative_tokens=2, **OPTS))
     from cluster.core_share import CoreShare
+    from cluster.kv_transfer.handoff import TurnHandoffs
 
     node = NodeMetrics("decode", "dec-0", engine, receiver=KvReceiver(engine),
-                       core_share=CoreShare(tmp_path / "cores.lock"))
+                       core_share=CoreShare(tmp_path / "cores.lock"), handoffs=TurnHandoffs())
     exported = _family_names([node.render().decode(),
                               RouterMetrics(NodePool()).render().decode()])
     doc = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
@@ -218,6 +219,22 @@ def test_turns_and_wait_on_shared_cores(folder, tmp_path):
     got = scrape(metrics)
     assert got[("pdserve_core_share_turns_total", ())] >= 1
     assert got[("pdserve_core_share_wait_seconds_total", ())] >= held_s
+
+
+def test_a_prefill_nodes_turn_kept_for_its_pushes_is_exported(folder, tmp_path):
+    from cluster.core_share import CoreShare
+    from cluster.kv_transfer.handoff import TurnHandoffs
+
+    handoffs = TurnHandoffs()
+    engine = LLMEngine(EngineConfig(model=str(folder), **OPTS))
+    metrics = NodeMetrics("prefill", "pre-0", engine, core_share=CoreShare(tmp_path / "l"),
+                          handoffs=handoffs)
+    close = handoffs.open()
+    assert not handoffs.wait(0.05)                       # a push that does not deliver
+    close()
+    got = scrape(metrics)
+    assert got[("pdserve_core_share_push_hold_timeouts_total", ())] == 1
+    assert got[("pdserve_core_share_push_hold_seconds_total", ())] >= 0.05
 
 
 def test_the_kernels_chosen_by_measurement_are_exported(folder, tmp_path, monkeypatch):
