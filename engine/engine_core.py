@@ -80,8 +80,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         bs = config.block_size
         num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, mc.num_key_value_heads,
-                                mc.head_dim, self.dtype, self.device.torch_device)
+        heads, k_dim, v_dim = mc.kv_layout
+        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim, self.dtype,
+                                self.device.torch_device, v_head_dim=v_dim)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
@@ -115,8 +116,9 @@ class LLMEngine:
 
     def _blocks_for_memory(self) -> int:
         mc, cfg = self.model_config, self.config
-        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size,
-                                            mc.num_key_value_heads, mc.head_dim, self.dtype)
+        heads, k_dim, v_dim = mc.kv_layout
+        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, heads,
+                                            k_dim, self.dtype, v_head_dim=v_dim)
         by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block
         # never more than the running sequences could ever use, plus the padding block
         by_need = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1

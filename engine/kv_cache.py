@@ -24,23 +24,33 @@ BLOCK_DIM = 1     # the block axis of a layer's cache tensor
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 v_head_dim: int | None = None):
+        """v_head_dim: V's width when it differs from K's; 0 for MLA's latent cache, whose
+        one row a token (kv_lora_rank + rope values) is all K (engine/models/mla.py)."""
+        v_dim = head_dim if v_head_dim is None else v_head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.k = [zeroed(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.num_kv_heads, self.head_dim, self.v_head_dim = num_kv_heads, head_dim, v_dim
+        self.k = [zeroed((num_kv_heads, num_blocks, block_size, head_dim), dtype, device)
+                  for _ in range(num_layers)]
+        self.v = [zeroed((num_kv_heads, num_blocks, block_size, v_dim), dtype, device)
+                  for _ in range(num_layers)]
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        """One block in the wire layout: (block_size, num_kv_heads, head_dim)."""
+        """One block of K in the wire layout: (block_size, num_kv_heads, head_dim)."""
         return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def v_block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.v_head_dim)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, v_head_dim: int | None = None) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        return num_layers * block_size * num_kv_heads * (head_dim + v_dim) * elem
 
     def write_blocks(self, layer: int, value: bool, block_ids: list[int],
                      blocks: torch.Tensor) -> None:

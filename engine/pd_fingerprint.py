@@ -15,6 +15,8 @@ from pathlib import Path
 # Version the byte layout of a pushed block (the wire layout of engine/kv_cache.py's
 # gather_blocks / scatter_blocks, not the cache's own): bump when it changes.
 KV_LAYOUT = "paged-kv/v1:[block,slot,kv_head,head_dim]"
+# MLA (engine/models/mla.py): one latent row a token as K (kv_lora_rank + rope), no V
+LATENT_KV_LAYOUT = "paged-latent/v1:[block,slot,1,kv_lora_rank+rope]"
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,10 @@ def engine_fingerprint(engine) -> Fingerprint:
     mc = engine.model_config
     return Fingerprint(model=model_identity(engine.config.model, mc.architecture),
                        dtype=str(engine.dtype).removeprefix("torch."),
-                       block_size=engine.config.block_size, kv_layout=KV_LAYOUT,
-                       num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-                       head_dim=mc.head_dim,
+                       block_size=engine.config.block_size,
+                       kv_layout=LATENT_KV_LAYOUT if mc.kv_layout[2] == 0 else KV_LAYOUT,
+                       num_layers=mc.num_hidden_layers, num_kv_heads=mc.kv_layout[0],
+                       head_dim=mc.kv_layout[1],
                        mtp_enabled=engine.config.speculative_method == "mtp",
                        mtp_num_speculative_tokens=(engine.config.num_speculative_tokens
                                                    if engine.config.speculative_method else 0),

@@ -32,6 +32,17 @@ CONFIGS = {
                                          num_experts_per_tok=2, moe_intermediate_size=32,
                                          norm_topk_prob=True, decoder_sparse_step=1,
                                          mlp_only_layers=[0], tie_word_embeddings=False)),
+    # MLA (latent KV cache) + DeepSeekMoE: 8 routed experts in 2 groups, 1 shared, the
+    # first layer dense; YaRN rope with mscale_all_dim (the softmax scale's mscale^2)
+    "deepseek-v3-mla": ("deepseek_v3", dict(
+        num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+        q_lora_rank=24, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+        routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+                      128, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                      "beta_slow": 1, "rope_theta": 10000.0})),
 }
 # not in the exactness grids (same architecture as one there): long prompts for fault tests
 LONG_CONTEXT = {
@@ -41,9 +52,15 @@ LONG_CONTEXT = {
 
 
 def _config(arch: str, overrides: dict):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "qwen3_moe": Qwen3MoeConfig}[arch]
+           "qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config}[arch]
     base = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -71,6 +88,9 @@ def make_tiny_model(name: str, root: Path, seed: int = 0):
                 p.copy_(0.5 * torch.randn_like(p))
             elif ".experts." in pname:                  # HF may leave them uninitialised
                 p.copy_(0.05 * torch.randn_like(p))
+        for bname, b in model.named_buffers():          # DeepSeekMoE's router bias
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(folder)
     return folder, model
 

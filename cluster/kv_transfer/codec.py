@@ -35,6 +35,8 @@ def layer_chunk_parts(layer: int, dst_block_ids: list[int], k: torch.Tensor, v: 
     step = max(1, max_bytes // per_block)
     parts = []
     for kind, t in ((node_pb2.KV_KIND_KEY, k), (node_pb2.KV_KIND_VALUE, v)):
+        if t.numel() == 0:        # a layout without V (MLA's latent cache): nothing to send
+            continue
         for i in range(0, len(dst_block_ids), step):
             part = t[i:i + step]
             parts.append((node_pb2.KvChunk(layer=layer, kind=kind,
@@ -49,7 +51,8 @@ def step_chunk_parts(layers: list[tuple[int, torch.Tensor, torch.Tensor]],
     """A step's layers of one push, (layer, k, v) in layer order, all for the same blocks:
     runs of consecutive layers whose K and V fit in max_bytes as one KV_KIND_KEY_VALUE chunk
     each ([num_layers, 2, n, block_size, heads, dim]: the tensors k0, v0, k1, v1, ... in
-    wire order, not copied together); a layer too large for one chunk is split as
+    wire order, not copied together; [num_layers, 1, ...] of K alone for a layout without V,
+    MLA's latent cache); a layer too large for one chunk is split as
     layer_chunk_parts splits it. Why: every chunk costs both nodes a frame's worth of
     Python (parse, validate, hand to the event loop); two per layer made a 256-token
     prompt 60 chunks, and on a 2-core box that per-chunk work, not the bytes, was most of
@@ -60,15 +63,20 @@ def step_chunk_parts(layers: list[tuple[int, torch.Tensor, torch.Tensor]],
     def flush() -> None:
         if not run:
             return
-        k0 = run[0][1]
+        k0, kinds = run[0][1], 1 if run[0][2].numel() == 0 else 2
         meta = node_pb2.KvChunk(layer=run[0][0], kind=node_pb2.KV_KIND_KEY_VALUE,
                                 num_layers=len(run), block_ids=dst_block_ids,
-                                shape=[len(run), 2, *k0.shape], dtype=dtype)
-        parts.append((meta, [t for _, k, v in run for t in (k, v)]))
+                                shape=[len(run), kinds, *k0.shape], dtype=dtype)
+        parts.append((meta, [t for _, k, v in run for t in (k, v)[:kinds]]))
         run.clear()
 
     for layer, k, v in layers:
-        size = 2 * k.numel() * k.element_size()
+        if v.numel() and v.shape != k.shape:    # K and V of different widths: apart
+            flush()
+            parts.extend((meta, [t]) for meta, t in
+                         layer_chunk_parts(layer, dst_block_ids, k, v, dtype, max_bytes))
+            continue
+        size = (k.numel() + v.numel()) * k.element_size()
         if size > max_bytes:
             flush()
             parts.extend((meta, [t]) for meta, t in

@@ -104,6 +104,9 @@ class KvReceiver:
         self._ids = itertools.count()
         self._dtype_name = str(engine.dtype).removeprefix("torch.")
         self._block_shape = engine.kv_cache.block_shape   # wire layout per block
+        self._v_block_shape = engine.kv_cache.v_block_shape
+        # what a push carries per layer: K and V, or K alone (MLA's latent cache)
+        self._kinds = (KEY, VALUE) if engine.kv_cache.v_head_dim else (KEY,)
         self._elem = torch.empty((), dtype=engine.dtype).element_size()
 
     # ---- the one place a reservation changes state ---------------------------------
@@ -168,7 +171,7 @@ class KvReceiver:
             res = Reservation(rid, request_id, seq, num_cached, time.monotonic() + lease,
                               token=secrets.token_bytes(TOKEN_BYTES), lease_s=lease)
             for layer in range(len(eng.kv_cache.k)):
-                for kind in (KEY, VALUE):
+                for kind in self._kinds:
                     res.pending[(layer, kind)] = set(res.push_block_ids)
             with self.lock:
                 refusing = self.refusing
@@ -232,8 +235,11 @@ class KvReceiver:
         + num_layers), shape [num_layers, 2, n, *block]."""
         res = self.authorize(reservation_id, token)
         total = len(self.engine.kv_cache.k)
-        if kind not in (KEY, VALUE, KEY_VALUE):
-            raise PushRejected(f"kv kind {kind} is none of K (0), V (1), K and V (2)")
+        if kind not in (*self._kinds, KEY_VALUE):
+            names = ", ".join(f"{n} ({k})" for k, n in ((KEY, "K"), (VALUE, "V"),
+                                                        (KEY_VALUE, "a layer run"))
+                              if k in (*self._kinds, KEY_VALUE))
+            raise PushRejected(f"kv kind {kind} is not one this cache takes: {names}")
         if kind != KEY_VALUE and num_layers > 1:
             raise PushRejected(f"a chunk of kind {kind} holds one layer, not {num_layers}")
         run = max(num_layers, 1)
@@ -241,9 +247,10 @@ class KvReceiver:
             raise PushRejected(f"layers [{layer}, {layer + run}) out of range [0, {total})")
         if dtype != self._dtype_name:
             raise PushRejected(f"dtype {dtype!r} does not match this node's {self._dtype_name!r}")
-        expected_shape = [len(block_ids), *self._block_shape]
+        block = self._v_block_shape if kind == VALUE else self._block_shape
+        expected_shape = [len(block_ids), *block]
         if kind == KEY_VALUE:
-            expected_shape = [run, 2, *expected_shape]
+            expected_shape = [run, len(self._kinds), *expected_shape]
         if list(shape) != expected_shape:
             raise PushRejected(f"shape {list(shape)} does not match {expected_shape} for "
                                f"{len(block_ids)} blocks")
@@ -270,7 +277,7 @@ class KvReceiver:
                 cache.write_blocks(layer, kind == VALUE, ids, src)
                 res.pending[(layer, kind)].difference_update(block_ids)
             for i in range(run if kind == KEY_VALUE else 0):
-                for k in (KEY, VALUE):
+                for k in self._kinds:
                     cache.write_blocks(layer + i, k == VALUE, ids, src[i, k])
                     res.pending[(layer + i, k)].difference_update(block_ids)
             res.bytes_received += nbytes

@@ -44,14 +44,20 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None,
     if rtype == "yarn":
         old_len = scaling.get("original_max_position_embeddings") or max_pos / factor
         beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
-        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0
-                                                      if factor > 1 else 1.0)
+        def get_mscale(m: float = 1.0) -> float:
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+        mscale = scaling.get("attention_factor")
+        if mscale is None:      # DeepSeek: the ratio of its two mscales (1 when equal)
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            mscale = get_mscale(m) / get_mscale(m_all) if m and m_all else get_mscale()
 
         def dim_of(rot: float) -> float:
             return (head_dim * math.log(old_len / (rot * 2 * math.pi))) / (2 * math.log(theta))
 
-        low = max(math.floor(dim_of(beta_fast)), 0)
-        high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         if low == high:
             high += 0.001
         ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low))

@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by Llama, Qwen2 and Qwen3 (a pure model).
+"""The decoder-only transformer shared by Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3
+(a pure model; DeepSeek-V3's attention is MLA, engine/models/mla.py).
 
 The architectures differ only in flags read from ModelConfig at construction: q/k/v
 bias (Qwen2), q/k RMSNorm over head_dim (Qwen3), tied embeddings. The CPU kernels the
@@ -30,6 +31,8 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.sdpa_attention import AttentionPlan, SdpaAttention
 from engine.models import moe
+from engine.models.mla import MlaAttention
+from engine.models.mla_layout import is_mla
 from engine.models.model_config import ModelConfig
 
 
@@ -97,10 +100,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, kernels)
-        self.self_attn = Attention(cfg, rotary, backend, kernels)
+        self.self_attn = (MlaAttention(cfg, rotary, kernels) if is_mla(cfg.architecture)
+                          else Attention(cfg, rotary, backend, kernels))
         self.post_attention_layernorm = RMSNorm(h, eps, kernels)
-        self.mlp = (moe.SparseMoeBlock(cfg) if moe.is_sparse_layer(cfg, index)
-                    else MLP(cfg, kernels))
+        self.mlp = moe.sparse_block(cfg) if moe.is_sparse_layer(cfg, index) \
+            else MLP(cfg, kernels)
 
     def forward(self, x, residual, positions, k_cache, v_cache, plan):
         """Returns (MLP output, residual stream before it); the caller adds them, in the
@@ -138,7 +142,8 @@ class DecoderForCausalLM(nn.Module):
         # at the first decode forward (the linears are packed after construction)
         # (it calls the fused ops and the paged kernel: never built when those are off)
         self._decode_layers: DecodeLayers | None | bool = (
-            kernels.cpu_decode_layers and kernels.cpu_fused_ops
+            not is_mla(cfg.architecture)
+            and kernels.cpu_decode_layers and kernels.cpu_fused_ops
             and kernels.cpu_attention_kernel and kernels.cpu_packed_linear
             and cpu_decode_layers.available())
 

@@ -82,6 +82,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     missing = []
     block = fp8.block_size(cfg.raw)
     params = dict(model.named_parameters(remove_duplicate=True))
+    # DeepSeekMoE's router bias is a buffer (HF's too), but the checkpoint holds it
+    params.update((n, b) for n, b in model.named_buffers()
+                  if n.endswith(".e_score_correction_bias"))
     for name, param in params.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.models.mla_layout import kv_cache_layout
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,6 +37,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     raw: dict
+    # (heads, K width, V width) a token leaves per layer in the KV cache: the attention
+    # heads' (num_kv_heads, head_dim, head_dim), or MLA's one latent row as K and no V
+    kv_layout: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
@@ -49,6 +54,11 @@ class ModelConfig:
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         is_llama = arch == "LlamaForCausalLM"
+        mla = kv_cache_layout(cfg, arch)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if mla is not None:                 # the rotary's width (HF writes it as head_dim)
+            head_dim = cfg["qk_rope_head_dim"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -58,8 +68,8 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rope_theta=float(theta),
@@ -74,6 +84,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             raw=cfg,
+            kv_layout=mla or (kv_heads, head_dim, head_dim),
         )
 
     @classmethod

@@ -27,19 +27,25 @@ from torch import nn
 
 from engine.models.model_config import ModelConfig
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK = "DeepseekV3ForCausalLM"
 
 
 def num_experts(raw: dict):
-    """`num_experts` (Qwen's configs), or `num_local_experts` (transformers 5 writes it)."""
-    return raw.get("num_experts", raw.get("num_local_experts"))
+    """`num_experts` (Qwen's configs), `num_local_experts` (transformers 5 writes it) or
+    `n_routed_experts` (DeepSeek)."""
+    return raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether decoder layer `layer` of this config has an MoE block (else a dense MLP)."""
+    """Whether decoder layer `layer` of this config has an MoE block (else a dense MLP).
+    DeepSeek: the layers from `first_k_dense_replace` on, every `moe_layer_freq`-th."""
     raw = cfg.raw
     if cfg.architecture not in MOE_ARCHITECTURES or not num_experts(raw):
         return False
+    if cfg.architecture == DEEPSEEK:
+        freq = raw.get("moe_layer_freq", 1) or 1
+        return layer >= (raw.get("first_k_dense_replace") or 0) and layer % freq == 0
     step = raw.get("decoder_sparse_step", 1) or 1
     return layer not in (raw.get("mlp_only_layers") or []) and (layer + 1) % step == 0
 
@@ -61,6 +67,11 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(f"{cfg.architecture}: num_experts_per_tok "
                          f"{fields['num_experts_per_tok']} exceeds num_experts "
                          f"{fields['num_experts']}")
+
+
+def sparse_block(cfg: ModelConfig) -> nn.Module:
+    """The MoE block of a sparse layer of this architecture."""
+    return DeepseekMoeBlock(cfg) if cfg.architecture == DEEPSEEK else SparseMoeBlock(cfg)
 
 
 class SparseMoeBlock(nn.Module):

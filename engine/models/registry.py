@@ -16,6 +16,8 @@ _MODELS = {
     "Qwen3ForCausalLM": "engine.models.decoder:DecoderForCausalLM",
     # Qwen3's decoder with MoE blocks (engine/models/moe.py)
     "Qwen3MoeForCausalLM": "engine.models.decoder:DecoderForCausalLM",
+    # MLA attention (engine/models/mla.py) and DeepSeekMoE blocks (engine/models/moe.py)
+    "DeepseekV3ForCausalLM": "engine.models.decoder:DecoderForCausalLM",
 }
 
 

@@ -71,7 +71,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     cfg["architectures"] = ["MambaForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"unsupported architecture 'MambaForCausalLM'; "
-                                         r"supported: LlamaForCausalLM"):
+                                         r"supported: DeepseekV3ForCausalLM, LlamaForCausalLM"):
         LLM(folder, dtype="float32")
 
 

@@ -117,7 +117,9 @@ def _deepseek_pair(tokens: int, groups: int, topk_group: int, top_k: int, shared
     hf = DeepseekV3MoE(DeepseekV3Config(**raw)).float().eval()
     cfg = ModelConfig.from_dict({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 64,
                                  "intermediate_size": 32, "num_hidden_layers": 2,
-                                 "num_attention_heads": 2, **raw})
+                                 "num_attention_heads": 2, "kv_lora_rank": 8,
+                                 "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                                 "v_head_dim": 4, **raw})
     ours = moe.DeepseekMoeBlock(cfg).float()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -89,6 +89,33 @@ def test_pd_on_a_moe_model_equals_single_node_llm(moe_folder, tcp):
     run(_with_pair(moe_folder, body, tcp=tcp))
 
 
+@pytest.fixture(scope="module")
+def mla_folder(tmp_path_factory):
+    return make_tiny_model("deepseek-v3-mla", tmp_path_factory.mktemp("models"))[0]
+
+
+@pytest.mark.parametrize("tcp,kv_push,chunk", [(False, "step", 0), (True, "step", 8),
+                                               (True, "layer", 0)],
+                         ids=["inproc", "tcp-data-plane-chunked", "tcp-per-layer"])
+def test_pd_on_a_latent_cache_equals_single_node_llm(mla_folder, tcp, kv_push, chunk):
+    """DeepSeek-V3 (MLA, engine/models/mla.py) through PD: the push carries the latent rows
+    (K alone, no V), in layer runs or per layer, over a chunked prefill too, and a decode
+    node's prefix hit skips blocks as with any cache."""
+    prompts = random_prompts(5, [1, 5, 9, 17, 33], 320, seed=9)
+    prompts.append(prompts[4][:12] + [7, 8, 9])       # shares a prefix: decode cache hit
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)
+    ref = LLM(mla_folder, **OPTS).generate([{"prompt_token_ids": p} for p in prompts], params)
+    prefill = {**OPTS, "max_num_batched_tokens": chunk} if chunk else OPTS
+
+    async def body(pair):
+        outs = await asyncio.gather(*[pair.generate(f"m{i}", p, params)
+                                      for i, p in enumerate(prompts[:-1])])
+        outs.append(await pair.generate("last", prompts[-1], params))
+        for i, ((tokens, _, _), want) in enumerate(zip(outs, ref, strict=True)):
+            assert tokens == want.outputs[0].token_ids, f"prompt {i}"
+    run(_with_pair(mla_folder, body, prefill_opts=prefill, tcp=tcp, kv_push=kv_push))
+
+
 def test_the_first_token_streams_alone_as_soon_as_the_push_is_admitted(folder):
     """The decode node's engine loop hands out what an admission made before it runs the
     next step: the pushed first token is not held back for the decode step that makes the
