@@ -79,12 +79,13 @@ def check_handoff(engine, handoff: MtpHandoff, num_push_blocks: int) -> str | No
     if worker is None:
         return None         # no draft here: the handoff is ignored
     kv = worker.draft_kv_cache
-    want_kv = (num_push_blocks, *kv.block_shape)
     hidden_size = engine.model_config.hidden_size
     if tuple(handoff.hidden.shape) != (1, hidden_size):
         return f"MTP hidden state has shape {list(handoff.hidden.shape)}, " \
                f"expected [1, {hidden_size}]"
-    for name, t in (("K", handoff.draft_k), ("V", handoff.draft_v)):
+    for name, t, block in (("K", handoff.draft_k, kv.block_shape),
+                           ("V", handoff.draft_v, kv.v_block_shape)):    # MLA: V is empty
+        want_kv = (num_push_blocks, *block)
         if tuple(t.shape) != want_kv:
             return f"MTP draft {name} has shape {list(t.shape)}, expected {list(want_kv)}"
         if t.dtype != kv.k[0].dtype:

@@ -81,10 +81,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     model.rotary.float()        # cos/sin tables stay float32, cast at use (as HF)
     missing = []
     block = fp8.block_size(cfg.raw)
-    params = dict(model.named_parameters(remove_duplicate=True))
-    # DeepSeekMoE's router bias is a buffer (HF's too), but the checkpoint holds it
-    params.update((n, b) for n, b in model.named_buffers()
-                  if n.endswith(".e_score_correction_bias"))
+    params = checkpoint_tensors(model)
     for name, param in params.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -93,7 +90,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
             missing.append("lm_head.weight (and tie_word_embeddings is false)")
             continue
         if ".mlp.experts." in name:           # merged or per-expert (engine/models/moe.py)
-            missing.extend(_copy_experts(param, names[0], handles, dtype))
+            missing.extend(copy_experts(param, names[0], handles, dtype))
             continue
         missing.extend(copy_weight(param, names, handles, dtype, block=block))
     if missing:
@@ -112,8 +109,17 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
     return model.eval(), cfg
 
 
-def _copy_experts(param: torch.nn.Parameter, hf_name: str, handles: dict,
-                  dtype: torch.dtype) -> list[str]:
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint fills: the parameters, and DeepSeekMoE's router bias (a buffer,
+    in HF's modules too, but stored in the checkpoint)."""
+    params = dict(model.named_parameters(remove_duplicate=True))
+    params.update((n, b) for n, b in model.named_buffers()
+                  if n.endswith(".e_score_correction_bias"))
+    return params
+
+
+def copy_experts(param: torch.nn.Parameter, hf_name: str, handles: dict,
+                 dtype: torch.dtype) -> list[str]:
     value = moe.expert_tensor(hf_name, handles, param.shape[0])
     if value is None:
         return [f"{hf_name} (merged, or per expert as {hf_name.rsplit('.', 1)[0]}.<e>.*)"]

@@ -41,7 +41,12 @@ from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.norm import RMSNorm
 from engine.models.decoder import DecoderLayer
-from engine.models.loader import copy_weight, safetensors_files
+from engine.models.loader import (
+    checkpoint_tensors,
+    copy_experts,
+    copy_weight,
+    safetensors_files,
+)
 from engine.models.model_config import ModelConfig
 
 # our parameter prefix -> (DeepSeek-V3 name, MiMo name) inside the MTP layer's key prefix
@@ -76,7 +81,10 @@ class MTPModule(nn.Module):
         self.enorm = RMSNorm(h, eps, kernels)
         self.hnorm = RMSNorm(h, eps, kernels)
         self.eh_proj = Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(cfg, self.rotary, backend, kernels)
+        # the layer after the target's last: an MoE model's sparse-layer rules apply to it
+        # (DeepSeek-V3's MTP layer is MLA + DeepSeekMoE)
+        self.layer = DecoderLayer(cfg, self.rotary, backend, kernels,
+                                  index=cfg.num_hidden_layers)
         self.shared_head_norm = RMSNorm(h, eps, kernels)
         self.hidden_first = hidden_first          # MiMo concatenates (h, e)
         self.hidden_size, self.eps = h, eps
@@ -249,13 +257,16 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
     mtp.to(dtype=dtype)
     mtp.rotary.float()
     missing = []
-    for name, param in mtp.named_parameters():
+    for name, param in checkpoint_tensors(mtp).items():
         top = name.split(".", 1)[0]
         if top in _PARTS:
             names = [prefix + _PARTS[top][layout] + name[len(top):]]
         else:
             module, leaf = name[len("layer."):].rsplit(".", 1)
             names = [f"{prefix}{p}.{leaf}" for p in _FUSED.get(module, (module,))]
+        if ".mlp.experts." in name:           # merged or per-expert (engine/models/moe.py)
+            missing.extend(copy_experts(param, names[0], handles, dtype))
+            continue
         missing.extend(copy_weight(param, names, handles, dtype, "MTP weight",
                                    "the target's config"))
     if missing:

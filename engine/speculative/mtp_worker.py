@@ -255,9 +255,9 @@ def build_mtp_worker(engine) -> MTPWorker:
     mc = engine.model_config
     draft = load_mtp(cfg.model, engine.model, engine.dtype, engine.device.torch_device,
                      cfg.attention_backend, cfg.speculative_model)
-    draft_cache = KVCache(1, engine.kv_cache.num_blocks, cfg.block_size,
-                          mc.num_key_value_heads, mc.head_dim, engine.dtype,
-                          engine.device.torch_device)
+    heads, k_dim, v_dim = mc.kv_layout        # the target's layout (MLA: latent rows)
+    draft_cache = KVCache(1, engine.kv_cache.num_blocks, cfg.block_size, heads, k_dim,
+                          engine.dtype, engine.device.torch_device, v_head_dim=v_dim)
     engine.scheduler.num_lookahead_tokens = cfg.num_speculative_tokens
     return MTPWorker(engine.worker, engine.builder, draft, draft_cache,
                      cfg.num_speculative_tokens, cfg.block_size, mc.vocab_size,

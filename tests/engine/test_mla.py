@@ -109,3 +109,78 @@ def test_yarn_mscale_scales_the_softmax_and_the_layout_is_read_from_the_config()
                                  "intermediate_size": 18432, "num_hidden_layers": 2,
                                  "num_attention_heads": 128, **raw})
     assert cfg.head_dim == 64 and cfg.kv_layout == (1, 576, 0)
+
+
+def test_the_models_own_mtp_layer_equals_hf_modules(tmp_path_factory):
+    """DeepSeek-V3's MTP layer (num_nextn_predict_layers: enorm, hnorm, eh_proj, an MLA +
+    DeepSeekMoE decoder layer, shared_head.norm) as engine/models/mtp.py runs it, against
+    a reference built from HF's own modules (HF drops these weights when it loads the
+    model): DeepseekV3DecoderLayer at index num_hidden_layers, HF's RMSNorm and rotary,
+    a bias-free linear for eh_proj; the same weights, read from the checkpoint."""
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    from engine.forward_input import AttentionMetadata
+    from engine.kv_cache import KVCache
+    from engine.models.loader import load_model
+    from engine.models.mla import MlaAttention
+    from engine.models.moe import DeepseekMoeBlock
+    from engine.models.mtp import load_mtp
+    from tests.tiny_mtp import with_mtp
+
+    root = tmp_path_factory.mktemp("mla-mtp")
+    folder, hf = make_tiny_model("deepseek-v3-mla", root)
+    folder = with_mtp(folder, root / "deepseek-v3-mla-mtp")
+    model, cfg = load_model(folder, torch.float32, torch.device("cpu"))
+    mtp = load_mtp(folder, model, torch.float32, torch.device("cpu"))
+    assert isinstance(mtp.layer.self_attn, MlaAttention)
+    assert isinstance(mtp.layer.mlp, DeepseekMoeBlock)          # layer 3 >= first dense 1
+
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    weights = {k[len(f"model.layers.{n}."):]: v
+               for k, v in load_file(folder / "mtp.safetensors").items()}
+    hcfg = hf.config
+    hcfg._attn_implementation = "eager"
+    layer = DeepseekV3DecoderLayer(hcfg, layer_idx=n).eval()
+    layer.load_state_dict({k: v for k, v in weights.items() if not k.startswith(
+        ("enorm.", "hnorm.", "eh_proj.", "shared_head."))})
+    enorm, hnorm, head_norm = (DeepseekV3RMSNorm(h, hcfg.rms_norm_eps) for _ in range(3))
+    enorm.weight.data = weights["enorm.weight"]
+    hnorm.weight.data = weights["hnorm.weight"]
+    head_norm.weight.data = weights["shared_head.norm.weight"]
+    eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+    eh_proj.weight.data = weights["eh_proj.weight"]
+
+    g = torch.Generator().manual_seed(5)
+    t = 11
+    tokens = torch.randint(3, 320, (t,), generator=g)
+    prev = torch.randn(t, h, generator=g)                 # the target's hidden states
+    pos = torch.arange(t)
+    with torch.no_grad():
+        x = eh_proj(torch.cat((enorm(hf.model.embed_tokens(tokens)), hnorm(prev)), -1))
+        cos_sin = DeepseekV3RotaryEmbedding(hcfg)(x[None], pos[None])
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        ref = layer(x[None], attention_mask=mask, position_ids=pos[None],
+                    position_embeddings=cos_sin)[0]
+        ref_logits = hf.lm_head(head_norm(ref))
+
+        cache = KVCache(1, 8, BS, *cfg.kv_layout[:2], torch.float32, torch.device("cpu"),
+                        v_head_dim=cfg.kv_layout[2])
+        nb = -(-t // BS)
+        i32 = dict(dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=pos + BS, seq_lens=torch.tensor([t], **i32),
+            query_start_loc=torch.tensor([0, t], **i32),
+            block_tables=torch.arange(1, nb + 1, **i32)[None],
+            paged_kv_indptr=torch.tensor([0, nb], **i32),
+            paged_kv_indices=torch.arange(1, nb + 1, **i32),
+            paged_kv_last_page_len=torch.tensor([t - (nb - 1) * BS], **i32),
+            num_prefills=1, query_lens_host=[t], context_lens_host=[0], seq_lens_host=[t])
+        ours = mtp(tokens, prev, pos, cache.k[0], cache.v[0], meta)
+        logits = mtp.logits(ours)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))

@@ -37,7 +37,7 @@ def _run(folder, prompts, params, **opts):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-hd24"])
+@pytest.mark.parametrize("name", ["llama-tied-gqa", "qwen3-qknorm-hd24", "deepseek-v3-mla"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_identical_with_random_draft(root, name, k):
     folder = _model(root, name)

@@ -114,6 +114,17 @@ def test_a_head_reading_mid_layers_drafts_the_same_after_a_push(tmp_path_factory
     _same_drafts_as_one_node(folder, prompts, [o.outputs[0].token_ids for o in outs])
 
 
+def test_deepseeks_own_mtp_layer_drafts_the_same_after_a_push(tmp_path_factory, prompts):
+    """DeepSeek-V3 (MLA + DeepSeekMoE) with its own MTP layer: the payload carries the
+    draft layer's latent rows (K alone) and the hidden state, so the decode node drafts
+    as a single node does."""
+    root = tmp_path_factory.mktemp("deepseek")
+    base, _ = make_tiny_model("deepseek-v3-mla", root)
+    folder = with_mtp(base, root / "deepseek-v3-mtp")
+    outs = LLM(folder, **OPTS).generate([{"prompt_token_ids": p} for p in prompts], _params())
+    _same_drafts_as_one_node(folder, prompts, [o.outputs[0].token_ids for o in outs])
+
+
 def _same_drafts_as_one_node(folder, prompts, plain) -> None:
     """PD tokens equal plain greedy, and the decode node's drafts (counts and
     probabilities, from each request's first decode step) equal a single node's."""
