@@ -90,7 +90,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
             missing.append("lm_head.weight (and tie_word_embeddings is false)")
             continue
         if ".mlp.experts." in name:           # merged or per-expert (engine/models/moe.py)
-            missing.extend(copy_experts(param, names[0], handles, dtype))
+            missing.extend(copy_experts(param, names[0], handles, dtype, block))
             continue
         missing.extend(copy_weight(param, names, handles, dtype, block=block))
     if missing:
@@ -119,8 +119,9 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def copy_experts(param: torch.nn.Parameter, hf_name: str, handles: dict,
-                 dtype: torch.dtype) -> list[str]:
-    value = moe.expert_tensor(hf_name, handles, param.shape[0])
+                 dtype: torch.dtype, block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> list[str]:
+    value = moe.expert_tensor(hf_name, handles, param.shape[0],
+                              read=lambda n: fp8.read(handles, n, block))
     if value is None:
         return [f"{hf_name} (merged, or per expert as {hf_name.rsplit('.', 1)[0]}.<e>.*)"]
     _assign(param, value, dtype, f"weight {hf_name}", "the config")

@@ -213,17 +213,21 @@ class SwiGlu(nn.Module):
                         * F.linear(x, self.up_proj.weight), self.down_proj.weight)
 
 
-def expert_tensor(our_name: str, handles: dict, num_experts: int) -> torch.Tensor | None:
+def expert_tensor(our_name: str, handles: dict, num_experts: int,
+                  read=None) -> torch.Tensor | None:
     """An experts parameter (`model.layers.{i}.mlp.experts.gate_up_proj` or `.down_proj`,
     HF names) from a checkpoint: the merged tensor if stored so, else stacked from the
     per-expert tensors (gate_proj and up_proj concatenated per expert); None when neither
-    form is complete."""
+    form is complete. read(name): how one checkpoint tensor is read (the loader's
+    dequantizes FP8 block-quantized experts, as DeepSeek ships them)."""
+    if read is None:
+        def read(n: str) -> torch.Tensor:
+            return handles[n].get_tensor(n)
     if our_name in handles:
-        return handles[our_name].get_tensor(our_name)
+        return read(our_name)
     prefix, leaf = our_name.rsplit(".", 1)
     parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
     names = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(num_experts)]
     if any(n not in handles for per in names for n in per):
         return None
-    return torch.stack([torch.cat([handles[n].get_tensor(n) for n in per], dim=0)
-                        for per in names])
+    return torch.stack([torch.cat([read(n) for n in per], dim=0) for per in names])

@@ -40,6 +40,7 @@ from engine.layers.attention import get_attention_backend
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear, can_pack, pack_linears
 from engine.layers.norm import RMSNorm
+from engine.models import fp8
 from engine.models.decoder import DecoderLayer
 from engine.models.loader import (
     checkpoint_tensors,
@@ -265,10 +266,11 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
             module, leaf = name[len("layer."):].rsplit(".", 1)
             names = [f"{prefix}{p}.{leaf}" for p in _FUSED.get(module, (module,))]
         if ".mlp.experts." in name:           # merged or per-expert (engine/models/moe.py)
-            missing.extend(copy_experts(param, names[0], handles, dtype))
+            missing.extend(copy_experts(param, names[0], handles, dtype,
+                                        fp8.block_size(cfg.raw)))
             continue
         missing.extend(copy_weight(param, names, handles, dtype, "MTP weight",
-                                   "the target's config"))
+                                   "the target's config", block=fp8.block_size(cfg.raw)))
     if missing:
         raise ValueError(f"{folder} is missing MTP weights: {', '.join(missing[:8])}")
     if prefix + DRAFT_VOCAB_KEY in handles:

@@ -35,10 +35,12 @@ def _quantize(w: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3-qknorm-hd24", "deepseek-v3-mla"])
+def pair(tmp_path_factory, request):
+    """DeepSeek-V3: its MLA projections (kv_b_proj included) and MoE router quantized as
+    DeepSeek ships them."""
     root = tmp_path_factory.mktemp("fp8")
-    base, _ = make_tiny_model("qwen3-qknorm-hd24", root)
+    base, _ = make_tiny_model(request.param, root)
     tensors = load_file(str(base / "model.safetensors"))
     quant, twin = {}, {}
     for name, t in tensors.items():
