@@ -53,6 +53,7 @@ BF16_GEMM_ENV = "PDSERVE_CPU_BF16_GEMM"
 PREFILL_ATTENTION_ENV = "PDSERVE_CPU_PREFILL_ATTENTION"
 PREFILL_ATTENTION_PATHS = ("tiles", "rows", "sdpa")
 BATCH_INVARIANT_LINEAR_ENV = "PDSERVE_BATCH_INVARIANT_LINEAR"
+MLA_ABSORBED_DECODE_ENV = "PDSERVE_MLA_ABSORBED_DECODE"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class KernelOptions:
     batch_invariant: bool = False
     # batch-invariant mode's linear kernel: auto (measured at load) or a forced candidate
     batch_invariant_linear: str = "auto"
+    # MLA decode rows in the absorbed form (engine/models/mla.py); off: the expanded form,
+    # as prefill rows run (a cross-check: the two differ by float rounding only)
+    mla_absorbed_decode: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
@@ -103,7 +107,8 @@ class KernelOptions:
                    cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0",
                    cpu_prefill_attention=_prefill_attention(env.get(PREFILL_ATTENTION_ENV)),
                    cpu_bf16_gemm_measure=env.get(BF16_GEMM_ENV, "1") != "always",
-                   batch_invariant_linear=env.get(BATCH_INVARIANT_LINEAR_ENV, "") or "auto")
+                   batch_invariant_linear=env.get(BATCH_INVARIANT_LINEAR_ENV, "") or "auto",
+                   mla_absorbed_decode=env.get(MLA_ABSORBED_DECODE_ENV, "1") != "0")
 
     @classmethod
     def torch_only(cls) -> KernelOptions:

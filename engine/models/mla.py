@@ -75,6 +75,7 @@ class MlaAttention(nn.Module):
         self.interleave = bool(raw.get("rope_interleave", True))
         self.scale = softmax_scale(raw, d)
         self.rotary = rotary
+        self.absorbed = kernels.mla_absorbed_decode
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.dims.q_lora_rank is None:
@@ -99,8 +100,9 @@ class MlaAttention(nn.Module):
         num_dec = meta.num_decodes + meta.num_padding
         dec_rows = t if not meta.num_prefills else meta.num_decode_tokens
         if num_dec and dec_rows:
-            out[:dec_rows] = self._decode(q_nope[:dec_rows], q_pe[:dec_rows], latent_cache,
-                                          meta, num_dec)
+            decode = self._decode if self.absorbed else self._decode_expanded
+            out[:dec_rows] = decode(q_nope[:dec_rows], q_pe[:dec_rows], latent_cache, meta,
+                                    num_dec)
         if meta.num_prefills:
             self._prefill(q_nope, q_pe, latent_cache, meta, dec_rows, out)
         return self.o_proj(out.reshape(t, hq * d.v))
@@ -110,6 +112,22 @@ class MlaAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, d.nope + d.v, d.kv_lora_rank)
         return w[:, :d.nope], w[:, d.nope:]          # [H, nope, R], [H, v, R]
 
+    def _decode_context(self, latent_cache, meta, num_dec: int, rows: int):
+        """The decode sequences' cached latents [B, W*bs, R+P] and which of them each row
+        sees [B, rows, W*bs] (row j of a sequence of KV length L sits at L - rows + j)."""
+        tables = meta.block_tables[:num_dec].long()
+        lat = latent_cache[0][tables].view(num_dec, -1, self.dims.latent)
+        lens = meta.seq_lens[:num_dec].long()
+        last = lens[:, None] - rows + torch.arange(rows, device=lens.device)[None, :]
+        cols = torch.arange(lat.shape[1], device=lens.device)
+        return lat, cols[None, None, :] <= last[:, :, None]
+
+    @staticmethod
+    def _softmax(scores, allowed, dtype: torch.dtype) -> torch.Tensor:
+        """Attention weights [B, H, rows, L] over the keys each row sees, in float32."""
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(dtype)
+
     def _decode(self, q_nope, q_pe, latent_cache, meta, num_dec: int) -> torch.Tensor:
         """Absorbed form over each decode sequence's cached latents (tensors only)."""
         d, hq = self.dims, self.num_heads
@@ -117,20 +135,29 @@ class MlaAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk).view(num_dec, rows, hq, -1)
         q_pe = q_pe.reshape(num_dec, rows, hq, d.rope)
-        tables = meta.block_tables[:num_dec].long()
-        lat = latent_cache[0][tables].view(num_dec, -1, d.latent)      # [B, W*bs, R+P]
+        lat, allowed = self._decode_context(latent_cache, meta, num_dec, rows)
         c, k_pe = lat[..., :d.kv_lora_rank], lat[..., d.kv_lora_rank:]
         scores = (torch.einsum("bqhr,blr->bhql", q_lat, c)
                   + torch.einsum("bqhp,blp->bhql", q_pe, k_pe)) * self.scale
-        # row j of a sequence of KV length L sits at position L - rows + j and sees up to it
-        lens = meta.seq_lens[:num_dec].long()
-        last = lens[:, None] - rows + torch.arange(rows, device=lens.device)[None, :]
-        cols = torch.arange(lat.shape[1], device=lens.device)
-        allowed = cols[None, None, :] <= last[:, :, None]             # [B, rows, W*bs]
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        p = torch.softmax(scores.float(), dim=-1).to(c.dtype)
+        p = self._softmax(scores, allowed, c.dtype)
         o_lat = torch.einsum("bhql,blr->bqhr", p, c)
         return torch.einsum("bqhr,hvr->bqhv", o_lat, w_uv).reshape(num_dec * rows, hq, d.v)
+
+    def _decode_expanded(self, q_nope, q_pe, latent_cache, meta, num_dec: int
+                         ) -> torch.Tensor:
+        """The expanded form on decode rows (kernels.mla_absorbed_decode off), from
+        tensors too: every cached latent through kv_b_proj, then plain attention."""
+        d, hq = self.dims, self.num_heads
+        rows = q_nope.shape[0] // num_dec
+        lat, allowed = self._decode_context(latent_cache, meta, num_dec, rows)
+        kv = F.linear(lat[..., :d.kv_lora_rank], self.kv_b_proj.weight)
+        k_nope, v = kv.view(num_dec, -1, hq, d.nope + d.v).split([d.nope, d.v], dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).view(num_dec, rows, hq, self.qk_dim)
+        k_pe = lat[..., None, d.kv_lora_rank:].expand(-1, -1, hq, -1)
+        k = torch.cat((k_nope, k_pe), dim=-1)                          # [B, L, H, qk]
+        scores = torch.einsum("bqhd,blhd->bhql", q, k) * self.scale
+        p = self._softmax(scores, allowed, v.dtype)
+        return torch.einsum("bhql,blhv->bqhv", p, v).reshape(num_dec * rows, hq, d.v)
 
     def _prefill(self, q_nope, q_pe, latent_cache, meta, tok: int, out) -> None:
         """Expanded form, one sequence at a time, over its context and new rows."""
