@@ -195,23 +195,29 @@ def test_pdserve_up_aggregated_starts_one_aggregated_node_and_waits_for_health(t
     assert _processes_mentioning(str(run_dir)) == []
 
 
-def test_pdserve_up_serves_a_tiny_deepseek_v3_over_http_and_grpc(tmp_path):
+@pytest.mark.parametrize("name,transport,mtp", [("deepseek-v3-mla", "tcp", True),
+                                                ("deepseek-v3-mla", "grpc", False),
+                                                ("qwen3-moe-e8k2", "grpc", False)])
+def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, transport, mtp):
     """`pdserve up --model DIR` on a DeepSeek-V3 folder (MLA with its latent cache,
-    DeepSeekMoE, its own MTP layer drafting on the decode node): PD over mutual TLS, the
-    latent KV pushed between real processes; greedy text over HTTP and gRPC equals the
-    single-node engine's."""
+    DeepSeekMoE, with its own MTP layer drafting on the decode node) and on Qwen3-MoE: PD
+    over mutual TLS, the KV pushed between real processes over the raw-TCP data plane or
+    gRPC; greedy text over HTTP and gRPC equals the single-node engine's."""
     from engine import LLM
     from tests.tiny_mtp import with_mtp
 
-    base = tiny_model_folder(tmp_path / "models", "deepseek-v3-mla")
-    folder = with_mtp(base, tmp_path / "models" / "deepseek-v3-mtp")
+    folder = tiny_model_folder(tmp_path / "models", name)
+    extra = []
+    if mtp:
+        folder = with_mtp(folder, tmp_path / "models" / f"{name}-mtp")
+        extra = ["--speculative-method", "mtp"]
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PDSERVE_API_KEY", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--http-port",
          str(http_port), "--grpc-port", str(grpc_port), "--dtype", "float32",
-         "--max-num-seqs", "4", "--speculative-method", "mtp"],
+         "--max-num-seqs", "4", "--kv-transport", transport, *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
