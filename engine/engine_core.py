@@ -42,6 +42,7 @@ from engine.kv_cache import KVCache
 from engine.layers import attention_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.logprobs import token_logprob
+from engine.models import mla_choice
 from engine.models.loader import load_model
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
@@ -99,6 +100,7 @@ class LLMEngine:
             for m in (self.model, getattr(self.speculative, "draft", None)):
                 if m is not None:
                     attention_choice.choose_for(m, bs, self.dtype, self.device.torch_device)
+                    mla_choice.choose_decode(m, bs, self.dtype, self.device.torch_device)
         self.requests: dict[str, Sequence] = {}
         self.counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0,
                          "computed_tokens": 0, "requests_finished": 0}

@@ -64,6 +64,7 @@ LIBRARY = "pdserve_cpu.so"
 SOURCES = {
     "paged_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "prefill_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
+    "latent_attention.cpp": ["-fno-math-errno"],
     "fused_ops.cpp": ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "bf16_gemm.cpp": ["-fno-math-errno"],
     "decode_layers.cpp": ["-fno-math-errno"],
@@ -280,12 +281,13 @@ def all_families() -> list[KernelFamily]:
         cpu_decode_layers,
         cpu_fixed_order_linear,
         cpu_fused_ops,
+        cpu_latent_attention,
         cpu_paged_attention,
         cpu_prefill_attention,
     )
     return [cpu_paged_attention.EXTENSION, cpu_fused_ops.EXTENSION, cpu_decode_layers.EXTENSION,
             cpu_prefill_attention.EXTENSION, cpu_bf16_gemm.EXTENSION,
-            cpu_fixed_order_linear.EXTENSION]
+            cpu_fixed_order_linear.EXTENSION, cpu_latent_attention.EXTENSION]
 
 
 def preload(options) -> dict[str, bool]:

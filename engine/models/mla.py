@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import write_slots
+from engine.layers import cpu_latent_attention
+from engine.layers.decode_plan import verify_kv_lens
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -76,6 +78,9 @@ class MlaAttention(nn.Module):
         self.scale = softmax_scale(raw, d)
         self.rotary = rotary
         self.absorbed = kernels.mla_absorbed_decode
+        # the absorbed decode through the C++ latent kernel on CPU, where measured faster
+        # than the torch einsums (engine/models/mla_choice.py sets it when the cache is made)
+        self.use_cpu_kernel = kernels.cpu_attention_kernel
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.dims.q_lora_rank is None:
@@ -133,7 +138,15 @@ class MlaAttention(nn.Module):
         d, hq = self.dims, self.num_heads
         rows = q_nope.shape[0] // num_dec
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk).view(num_dec, rows, hq, -1)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        if self.use_cpu_kernel and cpu_latent_attention.usable(latent_cache):
+            lens = meta.seq_lens[:num_dec]
+            kv_lens = lens if rows == 1 else verify_kv_lens(lens, rows).reshape(-1)
+            o_lat = cpu_latent_attention.latent_decode_attention(
+                q_lat, q_pe.contiguous(), latent_cache, meta.block_tables[:num_dec],
+                kv_lens, rows, self.scale)
+            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        q_lat = q_lat.view(num_dec, rows, hq, -1)
         q_pe = q_pe.reshape(num_dec, rows, hq, d.rope)
         lat, allowed = self._decode_context(latent_cache, meta, num_dec, rows)
         c, k_pe = lat[..., :d.kv_lora_rank], lat[..., d.kv_lora_rank:]

@@ -215,3 +215,90 @@ def test_absorbed_and_expanded_decode_agree_on_logits_and_tokens(tmp_path_factor
                 assert [t for t, _ in la.top] == [t for t, _ in le.top]
                 assert [lp for _, lp in la.top] == pytest.approx([lp for _, lp in le.top],
                                                                  abs=2e-5)
+
+
+def _ragged_batch(d, hq, lens, rows, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(1, 64, BS, d.latent)
+    blocks_per = [-(-s // BS) for s in lens]
+    tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
+    nxt = 1
+    for i, nb in enumerate(blocks_per):
+        tables[i, :nb] = torch.arange(nxt, nxt + nb)
+        nxt += nb
+    cache[0, 1:nxt] = torch.randn(nxt - 1, BS, d.latent, generator=g)
+    q_nope = torch.randn(len(lens) * rows, hq, d.nope, generator=g).to(dtype)
+    q_pe = torch.randn(len(lens) * rows, hq, d.rope, generator=g).to(dtype)
+    meta = SimpleNamespace(block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    return q_nope, q_pe, cache.to(dtype), meta
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), rows=st.integers(1, 3),
+       bf16=st.booleans(), seed=st.integers(0, 9999))
+def test_the_cpu_latent_kernel_matches_the_torch_absorbed_form(engine, lens, rows, bf16,
+                                                                 seed):
+    """engine/csrc/cpu/latent_attention.cpp against mla.py's torch einsums, decode rows and
+    k+1-row verify runs (row j of a run sees its sequence up to L - rows + j), ragged
+    lengths. The same products, summed by different GEMMs (the kernel scores q . [c | k_pe]
+    in one product, the einsums in two added): float32 within the absorbed-vs-expanded
+    bound above; bf16 within one bf16 rounding of the scores and of the output (2^-8
+    relative each)."""
+    from engine.layers import cpu_latent_attention
+    attn = engine.model.layers[0].self_attn
+    assert cpu_latent_attention.kernel() is not None
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    lens = [max(n, rows) for n in lens]
+    q_nope, q_pe, cache, meta = _ragged_batch(attn.dims, attn.num_heads, lens, rows, dtype,
+                                              seed)
+    outs, saved = [], attn.use_cpu_kernel
+    weight = attn.kv_b_proj.weight.data          # the only weight the decode reads
+    try:
+        attn.kv_b_proj.weight.data = weight.to(dtype)
+        for kernel in (True, False):
+            attn.use_cpu_kernel = kernel
+            with torch.no_grad():
+                outs.append(attn._decode(q_nope, q_pe, cache, meta, len(lens)).float())
+    finally:
+        attn.use_cpu_kernel = saved
+        attn.kv_b_proj.weight.data = weight
+    tol = dict(atol=8 * 2 ** -19, rtol=1e-5) if not bf16 else dict(atol=2e-2, rtol=2 ** -7)
+    torch.testing.assert_close(outs[0], outs[1], **tol)
+
+
+@pytest.mark.parametrize("fastest", ["kernel", "torch"])
+def test_the_decode_path_is_chosen_by_measurement_and_kept(engine, tmp_path, monkeypatch,
+                                                           fastest):
+    """Injected timings pick the path; a second engine reads the kept choice, timing
+    nothing."""
+    from engine.layers import kernel_choice, kernel_select
+    from engine.models import mla_choice
+
+    monkeypatch.setattr(kernel_choice, "CHOICES",
+                        kernel_choice.ChoiceCache(tmp_path / "choices.json"))
+    attn = engine.model.layers[0].self_attn
+    seen: list[str] = []
+
+    def timer(call):
+        call()
+        seen.append("kernel" if attn.use_cpu_kernel else "torch")
+        return {"kernel": 2.0, "torch": 2.0, fastest: 1.0}[seen[-1]]
+    monkeypatch.setattr(kernel_select, "best_of", timer)
+    saved = [m.self_attn.use_cpu_kernel for m in engine.model.layers]
+    try:
+        for m in engine.model.layers:
+            m.self_attn.use_cpu_kernel = True
+        assert mla_choice.choose_decode(engine.model, BS, torch.float32,
+                                        torch.device("cpu")) == fastest
+        assert sorted(seen) == ["kernel", "torch"]
+        assert all(m.self_attn.use_cpu_kernel is (fastest == "kernel")
+                   for m in engine.model.layers)
+        seen.clear()
+        for m in engine.model.layers:
+            m.self_attn.use_cpu_kernel = True
+        assert mla_choice.choose_decode(engine.model, BS, torch.float32,
+                                        torch.device("cpu")) == fastest
+        assert seen == []
+    finally:
+        for m, s in zip(engine.model.layers, saved, strict=True):
+            m.self_attn.use_cpu_kernel = s

@@ -18,6 +18,11 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
                                   at::Tensor kvlen, int64_t rows, double scale);
 bool paged_bf16_d64_fast();
 
+// latent_attention.cpp: MLA's absorbed decode over the latent cache (one row of R + P a
+// token, shared by every head): the attended latents [N, H, R]
+at::Tensor latent_decode_attention(at::Tensor q_lat, at::Tensor q_pe, at::Tensor cache,
+                                   at::Tensor bt, at::Tensor kvlen, int64_t rows, double scale);
+
 // prefill_attention.cpp: tiled bf16 prefill rows (head_dim 64, AVX512-BF16)
 at::Tensor prefill_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
                              at::Tensor qstart, at::Tensor context, double scale);
