@@ -41,6 +41,9 @@ class EngineConfig:
     # runs beside it, however its prompt is chunked and whether its prefix was cached; CPU
     # only, costs prefill speed (engine/layers/batch_invariant.py)
     batch_invariant: bool = False
+    # tensor parallel: this many ranks on torch.distributed (engine/parallel/), rank 0 in
+    # this process with the scheduler, the others in processes of their own
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -80,6 +83,13 @@ class EngineConfig:
              f"got device {self.device!r}")
         need(not (self.batch_invariant and self.speculative_method),
              "batch_invariant with speculative decoding is not supported yet")
+        tp = self.tensor_parallel_size
+        need(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+             f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        need(tp == 1 or not (self.speculative_method or self.enable_graph
+                             or self.batch_invariant),
+             "tensor_parallel_size > 1 runs eager decoding without speculative decoding or "
+             "batch-invariant mode for now")
         need(self.enable_chunked_prefill or self.max_model_len is None
              or self.max_num_batched_tokens >= self.max_model_len,
              "without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -70,9 +70,19 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         kernels = replace(KernelOptions.from_env(), batch_invariant=config.batch_invariant)
-        self.model, self.model_config = load_model(config.model, self.dtype,
-                                                   self.device.torch_device,
-                                                   config.attention_backend, kernels)
+        self.ranks = None       # tensor parallel: the group and the other ranks
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.rank_worker import Ranks, load_shard
+            from engine.parallel.shard import check_shardable
+            check_shardable(mcfg, config.tensor_parallel_size)
+            self.ranks = Ranks(config, self.dtype, self.device.torch_device)
+            self.model, self.model_config = load_shard(config, self.dtype,
+                                                       self.device.torch_device, 0,
+                                                       self.ranks.group)
+        else:
+            self.model, self.model_config = load_model(config.model, self.dtype,
+                                                       self.device.torch_device,
+                                                       config.attention_backend, kernels)
         log.info("loaded %s (%s) in %.1fs", config.model, self.dtype, time.perf_counter() - t0)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -82,8 +92,14 @@ class LLMEngine:
         bs = config.block_size
         num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
         heads, k_dim, v_dim = mc.kv_layout
-        self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim, self.dtype,
-                                self.device.torch_device, v_head_dim=v_dim)
+        if self.ranks is not None:      # this rank's KV heads; the others make theirs
+            from engine.parallel.rank_worker import shard_cache
+            self.ranks.group.broadcast(num_blocks)
+            self.kv_cache = shard_cache(self.model, mc, num_blocks, bs, self.dtype,
+                                        self.device.torch_device)
+        else:
+            self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim,
+                                    self.dtype, self.device.torch_device, v_head_dim=v_dim)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
@@ -92,7 +108,8 @@ class LLMEngine:
         graph = (GraphOptions.from_engine_config(config, self.max_model_len)
                  if config.enable_graph else None)
         prepare_target(config, self.model)      # before the Worker sizes graph buffers
-        self.worker = Worker(self.model, self.kv_cache, self.device, graph)
+        self.worker = Worker(self.model, self.kv_cache, self.device, graph,
+                             before_forward=self.ranks.send_step if self.ranks else None)
         self.speculative = None     # SpeculativeWorker when speculative_method is set
         if config.speculative_method is not None:
             self.speculative = build_speculative_worker(self)
@@ -115,6 +132,12 @@ class LLMEngine:
         self._load_hashes_at = 0.0
         self.connector = connector(self) if connector is not None else None
         self._refresh_load()
+
+    def close(self) -> None:
+        """Stop what this engine started outside its process (tensor parallel's other
+        ranks); also done when the engine is collected or the process exits."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _blocks_for_memory(self) -> int:
         mc, cfg = self.model_config, self.config

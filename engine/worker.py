@@ -28,8 +28,11 @@ class PreparedInput:
 
 class Worker:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: Device,
-                 graph: GraphOptions | None = None):
+                 graph: GraphOptions | None = None, before_forward=None):
+        """before_forward(fi): called with each step's input before its forward (tensor
+        parallel: the other ranks get it, engine/parallel/rank_worker.py)."""
         self.model = model
+        self.before_forward = before_forward
         self.kv_cache = kv_cache
         self.device = device
         self.executor = build_executor(model, kv_cache, device, graph)
@@ -55,6 +58,8 @@ class Worker:
 
     @torch.inference_mode()
     def step_internal(self, fi: ForwardInput) -> SampleOutput | None:
+        if self.before_forward is not None:
+            self.before_forward(fi)
         hidden = self.executor.forward(fi)
         if fi.sampling is None or fi.selected_token_idxes.numel() == 0:
             return None     # only prefill chunks that sample nothing

@@ -1,0 +1,109 @@
+"""The ranks of a tensor-parallel engine other than rank 0, each a process of its own.
+
+`start_ranks` (in the engine's process, rank 0) spawns ranks 1..N-1 and joins the group
+with them; each rank loads the model, cuts its shard (shard.py), makes its KV cache of
+the block count rank 0 sends, then runs every forward rank 0 broadcasts, in lockstep (the
+row-parallel all-reduces meet there), until rank 0 sends STOP. A rank that dies ends the
+others' collective waits with an error after tp_group.TIMEOUT.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import tempfile
+import weakref
+from dataclasses import replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.layers.kernel_options import KernelOptions
+from engine.parallel.shard import shard_model
+from engine.parallel.tp_group import STOP, TpGroup
+
+log = logging.getLogger(__name__)
+
+
+def load_shard(config: EngineConfig, dtype: torch.dtype, device: torch.device, rank: int,
+               group: TpGroup):
+    """(model shard, config) of this rank: float weights, C++ kernels off (a rank's
+    forward runs the Python layers, where the all-reduces sit)."""
+    from engine.models.loader import load_model
+    model, mcfg = load_model(config.model, dtype, device, config.attention_backend,
+                             replace(KernelOptions.torch_only(),
+                                     batch_invariant=config.batch_invariant))
+    shard_model(model, rank, group.world_size, group)
+    return model, mcfg
+
+
+def shard_cache(model, mcfg, num_blocks: int, block_size: int, dtype, device) -> KVCache:
+    """This rank's KV cache: its own KV heads only."""
+    attn = model.layers[0].self_attn
+    return KVCache(mcfg.num_hidden_layers, num_blocks, block_size, attn.num_kv_heads,
+                   mcfg.head_dim, dtype, device)
+
+
+def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
+               dtype_name: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device(config.device)
+    group = TpGroup(rank, world, init_method, device)
+    try:
+        dtype = getattr(torch, dtype_name)
+        model, mcfg = load_shard(config, dtype, device, rank, group)
+        num_blocks = group.broadcast()
+        cache = shard_cache(model, mcfg, num_blocks, config.block_size, dtype, device)
+        with torch.inference_mode():
+            while True:
+                fi = group.broadcast()
+                if fi == STOP:
+                    return
+                model(fi.token_ids, fi.positions, cache, fi.attn)
+    finally:
+        group.close()
+
+
+class Ranks:
+    """Rank 0's handle on the group and on the other ranks' processes."""
+
+    def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+        world = config.tensor_parallel_size
+        self._dir = tempfile.TemporaryDirectory(prefix="pdserve-tp-")
+        init_method = f"file://{self._dir.name}/rendezvous"
+        ctx = multiprocessing.get_context("spawn")
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"pdserve-tp-rank{r}",
+                                  args=(r, world, init_method, config, dtype_name))
+                      for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        self.group = TpGroup(0, world, init_method, device)
+        self._stopped = False
+        weakref.finalize(self, Ranks._stop, self.group, self.procs, self._dir)
+
+    def send_step(self, fi) -> None:
+        """Before each forward of rank 0: every rank runs the same one."""
+        self.group.broadcast(fi)
+
+    def close(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            Ranks._stop(self.group, self.procs, self._dir)
+
+    @staticmethod
+    def _stop(group: TpGroup, procs, tmp) -> None:
+        try:
+            if all(p.is_alive() for p in procs):
+                group.broadcast(STOP)
+        except Exception as exc:  # noqa: BLE001 - stopping: a dead rank is already gone
+            log.warning("tensor parallel: stopping the ranks: %s", exc)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        group.close()
+        tmp.cleanup()

@@ -1,0 +1,115 @@
+"""A loaded DecoderForCausalLM cut into one rank's tensor-parallel shard, in place.
+
+Megatron's split, which needs one all-reduce per attention block and one per MLP:
+
+- attention: the query heads are split evenly across ranks (column-parallel q/k/v: each
+  rank keeps the rows of its heads in the fused qkv projection), and each rank keeps the
+  KV heads its query heads read (an even split when the KV heads divide by the ranks; when
+  there are fewer KV heads than ranks, ranks share a KV head, a copy each). o_proj is
+  row-parallel: each rank multiplies its heads' columns, and an all-reduce sums the parts
+  (its bias added after the sum, on every rank: every rank must hold the same hidden state).
+- MLP: gate and up split by intermediate columns (column-parallel), down row-parallel with
+  an all-reduce.
+- the embedding, the norms and the LM head stay whole on every rank: after each all-reduce
+  every rank holds the full hidden state, so rank 0 computes the logits alone.
+
+The cut is made on float weights before any CPU packing, with the C++ kernels off (a
+rank's forward must run the Python layers, where the all-reduces sit). The all-reduce adds
+partial sums in another order than one rank's matmul does: float32 logits then differ
+within a tolerance (tests/engine/test_tensor_parallel.py says how much and why).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.decoder import MLP, Attention, DecoderForCausalLM
+from engine.models.mla_layout import is_mla
+from engine.models.model_config import ModelConfig
+from engine.models.moe import MOE_ARCHITECTURES
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear: this rank's partial product (no bias), summed over the group,
+    then the bias."""
+
+    def __init__(self, inner: nn.Module, group, bias: torch.Tensor | None):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.all_reduce(self.inner(x).contiguous())
+        return out if self.bias is None else out + self.bias
+
+
+def check_shardable(cfg: ModelConfig, world: int) -> None:
+    """A clear error for a model this split does not cover (before any rank starts)."""
+    if cfg.architecture in MOE_ARCHITECTURES or is_mla(cfg.architecture):
+        raise ValueError(f"{cfg.architecture}: tensor_parallel_size > 1 covers dense "
+                         "attention and MLP layers for now (not MLA nor MoE blocks)")
+    h, hk, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    problems = [f"{name} {n} is not divisible by tensor_parallel_size {world}"
+                for name, n in (("num_attention_heads", h), ("intermediate_size", inter))
+                if n % world]
+    if hk % world and world % hk:
+        problems.append(f"num_key_value_heads {hk} and tensor_parallel_size {world} do not "
+                        "divide one another")
+    if problems:
+        raise ValueError(f"{cfg.architecture}: " + "; ".join(problems))
+
+
+def _rows(w: torch.Tensor | None, spans: list[tuple[int, int]]) -> torch.Tensor | None:
+    if w is None:
+        return None
+    return torch.cat([w[a:b] for a, b in spans], dim=0).contiguous()
+
+
+def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None:
+    cfg = model.config
+    check_shardable(cfg, world)
+    if not all(isinstance(x.self_attn, Attention) and isinstance(x.mlp, MLP)
+               for x in model.layers):
+        raise ValueError(f"{cfg.architecture}: only dense attention and MLP layers shard")
+    h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    heads = range(rank * h // world, (rank + 1) * h // world)
+    groups = h // hk
+    kv_heads = sorted({q // groups for q in heads})
+    inter = cfg.intermediate_size
+    cols = (rank * inter // world, (rank + 1) * inter // world)
+    with torch.no_grad():
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            q0, k0 = 0, h * d
+            v0 = k0 + hk * d
+            spans = ([(q0 + heads[0] * d, q0 + (heads[-1] + 1) * d)]
+                     + [(k0 + k * d, k0 + (k + 1) * d) for k in kv_heads]
+                     + [(v0 + k * d, v0 + (k + 1) * d) for k in kv_heads])
+            a.qkv_proj.weight = nn.Parameter(_rows(a.qkv_proj.weight, spans),
+                                             requires_grad=False)
+            if a.qkv_proj.bias is not None:
+                a.qkv_proj.bias = nn.Parameter(_rows(a.qkv_proj.bias, spans),
+                                               requires_grad=False)
+            a.num_heads, a.num_kv_heads = len(heads), len(kv_heads)
+            a.q_size, a.kv_size = len(heads) * d, len(kv_heads) * d
+            o = a.o_proj
+            bias = o.bias.detach().clone() if o.bias is not None else None
+            o.weight = nn.Parameter(o.weight[:, heads[0] * d:(heads[-1] + 1) * d]
+                                    .contiguous(), requires_grad=False)
+            o.bias = None
+            a.o_proj = RowParallel(o, group, bias)
+            gu = mlp.gate_up_proj
+            gate_up = [(cols[0], cols[1]), (inter + cols[0], inter + cols[1])]
+            gu.weight = nn.Parameter(_rows(gu.weight, gate_up), requires_grad=False)
+            if gu.bias is not None:
+                gu.bias = nn.Parameter(_rows(gu.bias, gate_up), requires_grad=False)
+            mlp.inter = cols[1] - cols[0]
+            gu.split_rows = None
+            down = mlp.down_proj
+            bias = down.bias.detach().clone() if down.bias is not None else None
+            down.weight = nn.Parameter(down.weight[:, cols[0]:cols[1]].contiguous(),
+                                       requires_grad=False)
+            down.bias = None
+            mlp.down_proj = RowParallel(down, group, bias)

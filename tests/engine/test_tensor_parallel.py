@@ -1,0 +1,70 @@
+"""Tensor parallel on CPU with gloo (engine/parallel/): LLM(tensor_parallel_size=2) runs
+rank 1 in a process of its own, every forward in lockstep, and gives the tokens of
+tensor_parallel_size=1.
+
+Tolerance: the row-parallel layers add two partial sums where one rank's matmul adds the
+whole row in its own order; float32 then differs by a few ulps of the partial sums per
+layer (2 layers here, values O(1): ~1e-6), carried to the logprobs without growth beyond a
+few-fold. Logprobs must agree within 1e-4 (measured: under 1e-6), and greedy tokens
+exactly up to the first step whose top-2 margin (in the TP = 1 run) is under that: past
+such a near-tie either token is a correct greedy choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.engine_core import LLMEngine
+from tests.tiny_models import make_tiny_model, random_prompts
+
+TOL = 1e-4
+OPTS = dict(dtype="float32", block_size=4, num_gpu_blocks=128)
+
+
+def _exact_prefix(ref) -> int:
+    """Steps of a TP = 1 output before its first near-tie."""
+    for i, lp in enumerate(ref.logprobs):
+        top = [v for _, v in lp.top]
+        if len(top) > 1 and top[0] - top[1] < TOL:
+            return i
+    return len(ref.token_ids)
+
+
+# qwen2-gqa4: 1 KV head for 2 ranks (a copy each); llama-untied: biases on o_proj and the
+# MLP (added once, after the all-reduce); qwen3: q/k norms per head
+@pytest.mark.parametrize("name", ["qwen2-gqa4", "llama-untied-hd32-llama3rope",
+                                  "qwen3-qknorm-hd24"])
+def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
+    folder = make_tiny_model(name, tmp_path_factory.mktemp("models"))[0]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [3, 9, 17, 30], 320, 11)]
+    prompts.append({"prompt_token_ids": prompts[3]["prompt_token_ids"][:20] + [7, 8]})
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
+    ref = [o.outputs[0] for o in LLM(str(folder), **OPTS).generate(prompts, params)]
+    llm = LLM(str(folder), **OPTS, tensor_parallel_size=2)
+    try:
+        attn = llm.engine.model.layers[0].self_attn
+        assert attn.num_heads == 2 and llm.engine.kv_cache.num_kv_heads == attn.num_kv_heads
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]    # prefix hit too
+    finally:
+        llm.engine.close()
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        n = _exact_prefix(a)
+        assert b.token_ids[:n] == a.token_ids[:n], f"prompt {i}"
+        for la, lb in zip(a.logprobs[:n], b.logprobs[:n], strict=True):
+            assert [v for _, v in lb.top] == pytest.approx([v for _, v in la.top], abs=TOL)
+
+
+def test_what_it_cannot_shard_is_named_before_any_rank_starts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    moe = make_tiny_model("qwen3-moe-e8k2", root)[0]
+    with pytest.raises(ValueError, match="not MLA nor MoE"):
+        LLMEngine(EngineConfig(model=str(moe), **OPTS, tensor_parallel_size=2))
+    dense = make_tiny_model("qwen3-qknorm-hd24", root)[0]
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by "
+                                         "tensor_parallel_size 3"):
+        LLMEngine(EngineConfig(model=str(dense), **OPTS, tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(model=str(dense), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineConfig(model=str(dense), tensor_parallel_size=2, enable_graph=True)
