@@ -10,6 +10,12 @@ Megatron's split, which needs one all-reduce per attention block and one per MLP
   (its bias added after the sum, on every rank: every rank must hold the same hidden state).
 - MLP: gate and up split by intermediate columns (column-parallel), down row-parallel with
   an all-reduce.
+- MoE blocks (expert parallel over the same ranks): every rank routes every token (the
+  router is small and whole everywhere), computes the tokens' slots that went to its own
+  experts (an even split of them), and an all-reduce sums the experts' weighted outputs;
+  shared experts run on rank 0 only. gloo has no all-to-all, so tokens are not sent to
+  their experts' ranks: each rank reads all of them, which costs nothing extra here since
+  every rank already holds every token after the attention's all-reduce.
 - the embedding, the norms and the LM head stay whole on every rank: after each all-reduce
   every rank holds the full hidden state, so rank 0 computes the logits alone.
 
@@ -22,12 +28,13 @@ within a tolerance (tests/engine/test_tensor_parallel.py says how much and why).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.models.decoder import MLP, Attention, DecoderForCausalLM
 from engine.models.mla_layout import is_mla
 from engine.models.model_config import ModelConfig
-from engine.models.moe import MOE_ARCHITECTURES
+from engine.models.moe import MOE_ARCHITECTURES, Experts, num_experts
 
 
 class RowParallel(nn.Module):
@@ -47,9 +54,13 @@ class RowParallel(nn.Module):
 
 def check_shardable(cfg: ModelConfig, world: int) -> None:
     """A clear error for a model this split does not cover (before any rank starts)."""
-    if cfg.architecture in MOE_ARCHITECTURES or is_mla(cfg.architecture):
-        raise ValueError(f"{cfg.architecture}: tensor_parallel_size > 1 covers dense "
-                         "attention and MLP layers for now (not MLA nor MoE blocks)")
+    if is_mla(cfg.architecture):
+        raise ValueError(f"{cfg.architecture}: tensor_parallel_size > 1 covers attention "
+                         "with heads for now (not MLA)")
+    experts = num_experts(cfg.raw) if cfg.architecture in MOE_ARCHITECTURES else None
+    if experts and experts % world:
+        raise ValueError(f"{cfg.architecture}: {experts} experts do not divide among "
+                         f"tensor_parallel_size {world} ranks (expert parallel)")
     h, hk, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     problems = [f"{name} {n} is not divisible by tensor_parallel_size {world}"
                 for name, n in (("num_attention_heads", h), ("intermediate_size", inter))
@@ -70,9 +81,8 @@ def _rows(w: torch.Tensor | None, spans: list[tuple[int, int]]) -> torch.Tensor 
 def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None:
     cfg = model.config
     check_shardable(cfg, world)
-    if not all(isinstance(x.self_attn, Attention) and isinstance(x.mlp, MLP)
-               for x in model.layers):
-        raise ValueError(f"{cfg.architecture}: only dense attention and MLP layers shard")
+    if not all(isinstance(x.self_attn, Attention) for x in model.layers):
+        raise ValueError(f"{cfg.architecture}: only attention with heads shards")
     h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     heads = range(rank * h // world, (rank + 1) * h // world)
     groups = h // hk
@@ -100,6 +110,9 @@ def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None
                                     .contiguous(), requires_grad=False)
             o.bias = None
             a.o_proj = RowParallel(o, group, bias)
+            if not isinstance(mlp, MLP):     # an MoE block: its experts split across ranks
+                layer.mlp = ExpertParallel(mlp, group, rank, world)
+                continue
             gu = mlp.gate_up_proj
             gate_up = [(cols[0], cols[1]), (inter + cols[0], inter + cols[1])]
             gu.weight = nn.Parameter(_rows(gu.weight, gate_up), requires_grad=False)
@@ -113,3 +126,56 @@ def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None
                                        requires_grad=False)
             down.bias = None
             mlp.down_proj = RowParallel(down, group, bias)
+
+
+class LocalExperts(nn.Module):
+    """Experts [lo, hi) of an MoE block's Experts: the (token, slot) pairs routed to them,
+    in the same per-expert grouped GEMM and order; pairs routed elsewhere add nothing."""
+
+    def __init__(self, experts: Experts, lo: int, hi: int):
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        self.local = Experts(hi - lo, experts.down_proj.shape[1], experts.down_proj.shape[2])
+        with torch.no_grad():
+            self.local.gate_up_proj = nn.Parameter(
+                experts.gate_up_proj[lo:hi].contiguous(), requires_grad=False)
+            self.local.down_proj = nn.Parameter(experts.down_proj[lo:hi].contiguous(),
+                                                requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        mine = ((flat >= self.lo) & (flat < self.hi)).nonzero().squeeze(1)
+        if mine.numel() == 0:
+            return out
+        local = flat[mine] - self.lo
+        order = torch.argsort(local, stable=True)          # runs of rows per local expert
+        tokens = (mine // ids.shape[1])[order]
+        slot_weights = weights.reshape(-1)[mine][order]
+        counts = torch.bincount(local, minlength=self.hi - self.lo).tolist()
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            gate, up = F.linear(x.index_select(0, rows),
+                                self.local.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.local.down_proj[expert])
+            out.index_add_(0, rows, (y * slot_weights[start:start + n, None]).to(out.dtype))
+            start += n
+        return out
+
+
+class ExpertParallel(nn.Module):
+    """An MoE block whose experts are split across the group: each rank's part, summed."""
+
+    def __init__(self, block: nn.Module, group, rank: int, world: int):
+        super().__init__()
+        e = block.experts.gate_up_proj.shape[0]
+        block.experts = LocalExperts(block.experts, rank * e // world, (rank + 1) * e // world)
+        if rank != 0 and getattr(block, "shared_experts", None) is not None:
+            block.shared_experts = None
+        self.block, self.group = block, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.block(x).contiguous())

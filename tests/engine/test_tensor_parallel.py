@@ -16,6 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import LLMEngine
+from engine.parallel.shard import ExpertParallel
 from tests.tiny_models import make_tiny_model, random_prompts
 
 TOL = 1e-4
@@ -32,9 +33,10 @@ def _exact_prefix(ref) -> int:
 
 
 # qwen2-gqa4: 1 KV head for 2 ranks (a copy each); llama-untied: biases on o_proj and the
-# MLP (added once, after the all-reduce); qwen3: q/k norms per head
+# MLP (added after the all-reduce); qwen3: q/k norms per head; qwen3-moe: 8 experts, 4 a
+# rank (expert parallel), its first layer dense
 @pytest.mark.parametrize("name", ["qwen2-gqa4", "llama-untied-hd32-llama3rope",
-                                  "qwen3-qknorm-hd24"])
+                                  "qwen3-qknorm-hd24", "qwen3-moe-e8k2"])
 def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
     folder = make_tiny_model(name, tmp_path_factory.mktemp("models"))[0]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [3, 9, 17, 30], 320, 11)]
@@ -45,6 +47,9 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
     try:
         attn = llm.engine.model.layers[0].self_attn
         assert attn.num_heads == 2 and llm.engine.kv_cache.num_kv_heads == attn.num_kv_heads
+        sparse = [x.mlp for x in llm.engine.model.layers if isinstance(x.mlp, ExpertParallel)]
+        assert all(m.block.experts.local.gate_up_proj.shape[0] == 4 for m in sparse)
+        assert bool(sparse) == (name == "qwen3-moe-e8k2")
         got = [o.outputs[0] for o in llm.generate(prompts, params)]    # prefix hit too
     finally:
         llm.engine.close()
@@ -57,9 +62,13 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
 
 def test_what_it_cannot_shard_is_named_before_any_rank_starts(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
+    mla = make_tiny_model("deepseek-v3-mla", root)[0]
+    with pytest.raises(ValueError, match="not MLA"):
+        LLMEngine(EngineConfig(model=str(mla), **OPTS, tensor_parallel_size=2))
     moe = make_tiny_model("qwen3-moe-e8k2", root)[0]
-    with pytest.raises(ValueError, match="not MLA nor MoE"):
-        LLMEngine(EngineConfig(model=str(moe), **OPTS, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="8 experts do not divide among "
+                                         "tensor_parallel_size 3"):
+        LLMEngine(EngineConfig(model=str(moe), **OPTS, tensor_parallel_size=3))
     dense = make_tiny_model("qwen3-qknorm-hd24", root)[0]
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by "
                                          "tensor_parallel_size 3"):
