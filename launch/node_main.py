@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from launch.cli_common import (
     CliError,
@@ -31,6 +32,11 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
         config = engine_config_from_args(args)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    if config.tensor_parallel_size > 1 and role != "aggregated":
+        raise CliError("--tensor-parallel-size > 1 runs on aggregated nodes for now: a "
+                       f"{role} node would push (or receive) one rank's KV heads, and PD "
+                       "between tensor-parallel layouts (re-sharding the KV by heads) is not "
+                       "implemented yet")
     tls = tls_from_args(args)
     try:
         core_share = None
@@ -234,4 +240,16 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     # serially: the engine loop's thread keeps the only OpenMP team (cluster/omp_threads.py)
     node = run_in_passing_thread(load, name=f"{role}-load")
     serial_torch_thread()
+    ranks = getattr(getattr(node, "engine", None), "ranks", None)
+    if ranks is not None:
+        ranks.on_lost = _exit_for_lost_rank
     return asyncio.run(serve(role, node, args, node_id))
+
+
+def _exit_for_lost_rank(why: str) -> None:
+    """A tensor-parallel node whose rank died cannot compute: it exits at once, so it
+    leaves discovery with its lease and the router replays its requests elsewhere (pdserve
+    up's supervisor starts it again)."""
+    log.critical("%s: the node exits", why)
+    logging.shutdown()
+    os._exit(70)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import tempfile
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -82,16 +85,39 @@ class Ranks:
             p.start()
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
         self.group = TpGroup(0, world, init_method, device)
-        self._stopped = False
+        self._stopped = threading.Event()
+        # why a rank is gone (None while every rank lives); on_lost(why) is called once
+        # from the watcher thread (a node exits, so it leaves discovery and the router
+        # replays its requests elsewhere)
+        self.lost: str | None = None
+        self.on_lost: Callable[[str], None] | None = None
+        threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
         weakref.finalize(self, Ranks._stop, self.group, self.procs, self._dir)
+        log.info("tensor parallel: %d ranks on %s, ranks 1-%d in processes %s", world,
+                 self.group.backend, world - 1, [p.pid for p in self.procs])
+
+    def _watch(self) -> None:
+        """Wait on the ranks' process sentinels: one that ends before close() is a lost
+        rank, and the group cannot compute without it."""
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.procs])
+        if self._stopped.is_set():
+            return
+        dead = [p for p in self.procs if p.sentinel in ended]
+        self.lost = (f"tensor-parallel rank {dead[0].name} exited (code "
+                     f"{dead[0].exitcode}); the group cannot go on")
+        log.error("%s", self.lost)
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
 
     def send_step(self, fi) -> None:
         """Before each forward of rank 0: every rank runs the same one."""
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
         self.group.broadcast(fi)
 
     def close(self) -> None:
-        if not self._stopped:
-            self._stopped = True
+        if not self._stopped.is_set():
+            self._stopped.set()
             Ranks._stop(self.group, self.procs, self._dir)
 
     @staticmethod

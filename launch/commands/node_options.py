@@ -90,6 +90,10 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
                  metavar="FILE", help="nodes on the same cores give the same file: their "
                  "engine steps take turns instead of running side by side (pdserve up sets "
                  "it on a CPU device; cluster/core_share.py)")
+    env_argument(eng, "--tensor-parallel-size", "PDSERVE_TENSOR_PARALLEL_SIZE", default=1,
+                 type=int, metavar="N", help="ranks the model is split across (torch."
+                 "distributed: gloo on a CPU, nccl on CUDA, hccl on Ascend), each a process; "
+                 "aggregated nodes only for now")
     env_flag(eng, "--batch-invariant", "PDSERVE_BATCH_INVARIANT",
              help="a request's tokens do not depend on what runs beside it (bf16 greedy "
                   "reproducible under load; cpu only, slower prefill)")
@@ -138,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         cpu_threads=args.cpu_threads or None,
                         batch_invariant=args.batch_invariant,
+                        tensor_parallel_size=args.tensor_parallel_size,
                         enable_graph=args.enable_graph,
                         graph_max_batch_size=args.graph_max_batch_size,
                         speculative_method=SPECULATIVE_METHODS[

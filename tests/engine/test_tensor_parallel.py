@@ -77,3 +77,29 @@ def test_what_it_cannot_shard_is_named_before_any_rank_starts(tmp_path_factory):
         EngineConfig(model=str(dense), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="speculative decoding"):
         EngineConfig(model=str(dense), tensor_parallel_size=2, enable_graph=True)
+
+
+def test_a_lost_rank_is_named_and_stops_the_engine(tmp_path_factory):
+    """A rank process that dies: the watcher names it at once (on_lost, which a node uses
+    to exit and leave discovery) and the next step raises instead of waiting on a
+    collective that cannot complete."""
+    import os
+    import signal
+    import threading
+
+    folder = make_tiny_model("qwen2-gqa4", tmp_path_factory.mktemp("models"))[0]
+    llm = LLM(str(folder), **OPTS, tensor_parallel_size=2)
+    lost = threading.Event()
+    why: list[str] = []
+    ranks = llm.engine.ranks
+    ranks.on_lost = lambda reason: (why.append(reason), lost.set())
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    try:
+        assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids
+        os.kill(ranks.procs[0].pid, signal.SIGKILL)
+        assert lost.wait(60), "the watcher did not see the rank die"
+        assert "pdserve-tp-rank1 exited" in why[0]
+        with pytest.raises(RuntimeError, match="pdserve-tp-rank1 exited"):
+            llm.generate([{"prompt_token_ids": [5, 6, 8]}], params)
+    finally:
+        llm.engine.close()

@@ -257,3 +257,82 @@ def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, tra
         rest, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, rest
     assert "stopped." in rest
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        kids = []
+        for t in tasks:
+            kids += [int(c) for c in (t / "children").read_text().split()]
+        return kids
+    except OSError:
+        return []
+
+
+def test_pdserve_up_aggregated_with_tensor_parallel_serves_and_survives_a_lost_rank(tmp_path):
+    """`pdserve up --aggregated --tensor-parallel-size 2`: the aggregated node runs rank 1
+    in a child process; greedy text equals a single node's. Killing that rank makes the
+    node exit (it cannot compute without it; its lease ends, so it leaves discovery), and
+    `up` starts it again, serving the same text."""
+    from engine import LLM
+
+    folder = tiny_model_folder(tmp_path / "models")
+    http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PDSERVE_API_KEY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "up", "--aggregated", "--model", str(folder),
+         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--dtype",
+         "float32", "--max-num-seqs", "4", "--insecure", "--tensor-parallel-size", "2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+            "temperature": 0}
+
+    def complete() -> str:
+        req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())["choices"][0]["text"]
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        out = "".join(lines)
+        assert "pdserve is up: 1 aggregated node(s)" in out, out
+        run_dir = Path(re.search(r"logs:\s+(\S+)", out).group(1))
+        want = reference(LLM(folder, dtype="float32"), Req("http", body["prompt"], 8))
+        assert complete() == want[1]
+        node_log = run_dir / "aggregated-0.log"
+        assert "tensor parallel: 2 ranks on gloo" in node_log.read_text()
+        (node,) = [p for p in _processes_mentioning(str(run_dir))     # `pdserve aggregated`
+                   if b"launch.cli\0aggregated\0" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        (rank,) = [c for c in _children_of(node)      # not multiprocessing's own helper
+                   if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{node}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{node}").exists(), "the node outlived its lost rank"
+        assert "the group cannot go on: the node exits" in node_log.read_text()
+        deadline = time.monotonic() + 120          # up restarts it; the router finds it
+        while True:
+            try:
+                assert complete() == want[1]
+                break
+            except urllib.error.HTTPError:
+                assert time.monotonic() < deadline, "the node did not come back"
+                time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, rest
+    assert _processes_mentioning(str(run_dir)) == []

@@ -152,3 +152,18 @@ def test_up_makes_cpu_nodes_take_turns_unless_told_not_to(tmp_path, monkeypatch)
         assert child.cmd[child.cmd.index("--core-share-lock") + 1] == lock
     assert all("--core-share-lock" not in child.cmd for child in started[3:])
     assert parse("decode", "--core-share-lock", lock).core_share_lock == lock
+
+
+def test_tensor_parallel_size_reaches_the_engine_and_only_aggregated_nodes_take_it(
+        monkeypatch):
+    from launch.node_main import build_node
+    assert config().tensor_parallel_size == 1
+    assert config("--tensor-parallel-size", "2").tensor_parallel_size == 2
+    monkeypatch.setenv("PDSERVE_TENSOR_PARALLEL_SIZE", "4")
+    assert config().tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        config("--tensor-parallel-size", "0")
+    for role in ("prefill", "decode"):        # refused before any model is loaded
+        args = parse(role, "--model", "/nonexistent", "--tensor-parallel-size", "2")
+        with pytest.raises(CliError, match="aggregated nodes for now"):
+            build_node(role, args, f"{role}-0")
