@@ -95,8 +95,10 @@ class LLMEngine:
         if self.ranks is not None:      # this rank's KV heads; the others make theirs
             from engine.parallel.rank_worker import shard_cache
             self.ranks.group.broadcast(num_blocks)
-            self.kv_cache = shard_cache(self.model, mc, num_blocks, bs, self.dtype,
-                                        self.device.torch_device)
+            self.kv_cache = shard_cache(mc, num_blocks, bs, self.dtype,
+                                        self.device.torch_device, 0,
+                                        config.tensor_parallel_size, self.ranks)
+            self.ranks.cache = self.kv_cache
         else:
             self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim,
                                     self.dtype, self.device.torch_device, v_head_dim=v_dim)

@@ -23,6 +23,10 @@ BLOCK_DIM = 1     # the block axis of a layer's cache tensor
 
 
 class KVCache:
+    # a read of whole blocks needs every tensor-parallel rank (engine/parallel/
+    # tp_kv_cache.py): never from inside a forward
+    collective_reads = False
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  v_head_dim: int | None = None):
@@ -65,6 +69,10 @@ class KVCache:
         else:
             idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
             scatter_blocks(cache, idx, blocks.to(cache.device, non_blocking=False))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer's blocks in the wire layout (a PD push)."""
+        return gather_blocks(self.k[layer], block_ids), gather_blocks(self.v[layer], block_ids)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]

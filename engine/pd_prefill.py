@@ -20,7 +20,6 @@ from typing import Protocol
 import torch
 
 from engine.commands import AddRequest
-from engine.kv_cache import gather_blocks
 from engine.logprobs import TokenLogprob
 from engine.pd_mtp import MtpCollector, MtpHandoff
 from engine.sampling_params import SamplingParams
@@ -114,8 +113,11 @@ class KvPushConnector:
             return
         try:
             delivered: set[int] = set()
-            with self._layer_hooks(plan, delivered):
+            if self.engine.kv_cache.collective_reads:   # tensor parallel: after the forward
                 yield
+            else:
+                with self._layer_hooks(plan, delivered):
+                    yield
             # A forward that bypasses the layers' modules fired no hook for them: the
             # one-call C++ decode layers (any step whose rows are all single tokens: a
             # one-token prompt, or a prompt whose cached prefix leaves one token) or a
@@ -196,8 +198,7 @@ class KvPushConnector:
         kv = eng.kv_cache
         srcs = [src for _, src, _ in plan]
         every = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
-        k_all = gather_blocks(kv.k[layer], every)
-        v_all = gather_blocks(kv.v[layer], every)
+        k_all, v_all = kv.gather(layer, every)
         start = 0
         for job, src, dst in plan:
             n = src.shape[0]

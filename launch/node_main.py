@@ -32,11 +32,6 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
         config = engine_config_from_args(args)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    if config.tensor_parallel_size > 1 and role != "aggregated":
-        raise CliError("--tensor-parallel-size > 1 runs on aggregated nodes for now: a "
-                       f"{role} node would push (or receive) one rank's KV heads, and PD "
-                       "between tensor-parallel layouts (re-sharding the KV by heads) is not "
-                       "implemented yet")
     tls = tls_from_args(args)
     try:
         core_share = None

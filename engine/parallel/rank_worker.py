@@ -22,10 +22,10 @@ from dataclasses import replace
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
 from engine.layers.kernel_options import KernelOptions
 from engine.parallel.shard import shard_model
-from engine.parallel.tp_group import STOP, TpGroup
+from engine.parallel.tp_group import GATHER, STOP, WRITE, TpGroup
+from engine.parallel.tp_kv_cache import TpKvCache
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,12 @@ def load_shard(config: EngineConfig, dtype: torch.dtype, device: torch.device, r
     return model, mcfg
 
 
-def shard_cache(model, mcfg, num_blocks: int, block_size: int, dtype, device) -> KVCache:
-    """This rank's KV cache: its own KV heads only."""
-    attn = model.layers[0].self_attn
-    return KVCache(mcfg.num_hidden_layers, num_blocks, block_size, attn.num_kv_heads,
-                   mcfg.head_dim, dtype, device)
+def shard_cache(mcfg, num_blocks: int, block_size: int, dtype, device, rank: int,
+                world: int, ranks=None) -> TpKvCache:
+    """This rank's KV cache: its own KV heads, whole heads at its boundary."""
+    return TpKvCache(mcfg.num_hidden_layers, num_blocks, block_size, mcfg.num_attention_heads,
+                     mcfg.num_key_value_heads, mcfg.head_dim, dtype, device, rank, world,
+                     ranks)
 
 
 def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
@@ -58,13 +59,18 @@ def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
         dtype = getattr(torch, dtype_name)
         model, mcfg = load_shard(config, dtype, device, rank, group)
         num_blocks = group.broadcast()
-        cache = shard_cache(model, mcfg, num_blocks, config.block_size, dtype, device)
+        cache = shard_cache(mcfg, num_blocks, config.block_size, dtype, device, rank, world)
         with torch.inference_mode():
             while True:
-                fi = group.broadcast()
-                if fi == STOP:
+                msg = group.broadcast()
+                if msg == STOP:
                     return
-                model(fi.token_ids, fi.positions, cache, fi.attn)
+                if isinstance(msg, tuple) and msg[0] == WRITE:
+                    cache.apply(msg[1])
+                elif isinstance(msg, tuple) and msg[0] == GATHER:
+                    group.all_gather(cache.local_blocks(msg[1], msg[2]))
+                else:
+                    model(msg.token_ids, msg.positions, cache, msg.attn)
     finally:
         group.close()
 
@@ -91,6 +97,7 @@ class Ranks:
         # replays its requests elsewhere)
         self.lost: str | None = None
         self.on_lost: Callable[[str], None] | None = None
+        self.cache: TpKvCache | None = None         # rank 0's, once made (engine_core)
         threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
         weakref.finalize(self, Ranks._stop, self.group, self.procs, self._dir)
         log.info("tensor parallel: %d ranks on %s, ranks 1-%d in processes %s", world,
@@ -110,10 +117,26 @@ class Ranks:
             self.on_lost(self.lost)
 
     def send_step(self, fi) -> None:
-        """Before each forward of rank 0: every rank runs the same one."""
+        """Before each forward of rank 0: the KV blocks that landed since the last one (a
+        decode node's pushes), then the forward; every rank runs the same one."""
+        self._check()
+        if self.cache is not None:
+            writes = self.cache.take_pending()
+            if writes:
+                self.group.broadcast((WRITE, writes))
+        self.group.broadcast(fi)
+
+    def gather_kv(self, cache: TpKvCache, layer: int, block_ids: torch.Tensor
+                  ) -> torch.Tensor:
+        """Every rank's heads of one layer's blocks (a prefill node's push; between
+        forwards, on the engine thread): [2, n, block_size, all KV heads, head_dim]."""
+        self._check()
+        self.group.broadcast((GATHER, layer, block_ids))
+        return cache.assemble(self.group.all_gather(cache.local_blocks(layer, block_ids)))
+
+    def _check(self) -> None:
         if self.lost is not None:
             raise RuntimeError(self.lost)
-        self.group.broadcast(fi)
 
     def close(self) -> None:
         if not self._stopped.is_set():

@@ -10,6 +10,7 @@ follows the device: gloo on CPU, nccl on CUDA, hccl on Ascend (through torch_npu
 from __future__ import annotations
 
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,8 @@ import torch.distributed as dist
 # a rank that stops answering (killed, hung) ends the others' wait after this long
 TIMEOUT = datetime.timedelta(seconds=120)
 STOP = "stop"
+WRITE = "write"       # (WRITE, [(layer, value, block ids, whole-head blocks)...])
+GATHER = "gather"     # (GATHER, layer, block ids): every rank's heads of them, to rank 0
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -25,22 +28,61 @@ def backend_for(device: torch.device | str) -> str:
 
 
 class TpGroup:
+    """One engine's group. On a CPU it is a gloo process group of its own over a file
+    store, not torch.distributed's process-wide default group, so two tensor-parallel
+    engines can live in one process (a test's prefill and decode nodes); nccl and hccl take
+    the default group (one engine a process, as nodes run)."""
+
     def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device):
         self.rank, self.world_size = rank, world_size
         self.backend = backend_for(device)
-        dist.init_process_group(self.backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=TIMEOUT)
+        self._pg = None
+        if self.backend == "gloo":
+            store = dist.FileStore(init_method.removeprefix("file://"), world_size)
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
+        else:
+            dist.init_process_group(self.backend, init_method=init_method, rank=rank,
+                                    world_size=world_size, timeout=TIMEOUT)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
+        if self._pg is None:
+            dist.all_reduce(t)
+        else:
+            self._pg.allreduce([t]).wait()
         return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (same shape on every rank), in rank order."""
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        if self._pg is None:
+            dist.all_gather(out, t)
+        else:
+            self._pg.allgather([out], [t]).wait()
+        return out
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        if self._pg is None:
+            dist.broadcast(t, src=0)
+        else:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._pg.broadcast([t], opts).wait()
 
     def broadcast(self, obj=None):
         """Rank 0's `obj` on every rank (pickled: host tensors and metadata)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        data = None
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size[0] = data.numel()
+        self._broadcast(size)
+        if self.rank != 0:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        self._broadcast(data)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self._pg is None and dist.is_initialized():
             dist.destroy_process_group()
+        self._pg = None

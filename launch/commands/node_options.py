@@ -93,7 +93,8 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
     env_argument(eng, "--tensor-parallel-size", "PDSERVE_TENSOR_PARALLEL_SIZE", default=1,
                  type=int, metavar="N", help="ranks the model is split across (torch."
                  "distributed: gloo on a CPU, nccl on CUDA, hccl on Ascend), each a process; "
-                 "aggregated nodes only for now")
+                 "pushed KV carries every head, so prefill and decode nodes of different "
+                 "sizes work together")
     env_flag(eng, "--batch-invariant", "PDSERVE_BATCH_INVARIANT",
              help="a request's tokens do not depend on what runs beside it (bf16 greedy "
                   "reproducible under load; cpu only, slower prefill)")

@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "machine the push shares the cores with the prefill itself) or gRPC "
                         "streaming")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="each aggregated node splits the model across N ranks (processes "
-                        "on torch.distributed); with --aggregated only, for now")
+                   help="every node splits the model across N ranks (processes on "
+                        "torch.distributed); the KV a prefill node pushes carries every "
+                        "head whatever the split")
     p.add_argument("--no-core-share", action="store_true",
                    help="on a CPU device the nodes take turns at engine steps, since they "
                         "share the machine's cores; this lets them run side by side (for "
@@ -150,24 +151,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         name = ModelInfo.from_folder(model).name
         num_prefill, num_decode, num_aggregated = node_counts(args)
-        if args.tensor_parallel_size != 1 and (num_prefill or num_decode):
-            raise ValueError("--tensor-parallel-size runs on aggregated nodes for now "
-                             "(pdserve up --aggregated): PD between tensor-parallel layouts "
-                             "is not implemented yet")
         config = LocalClusterConfig(
             model=model, num_prefill=num_prefill, num_decode=num_decode,
             num_aggregated=num_aggregated,
             http_port=args.http_port, grpc_port=args.grpc_port, policy=args.policy,
             node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
                        str(args.max_num_seqs), "--kv-cache-memory-gb",
-                       str(args.kv_cache_memory_gb), "--cpu-threads", str(args.cpu_threads)],
+                       str(args.kv_cache_memory_gb), "--cpu-threads", str(args.cpu_threads),
+                       "--tensor-parallel-size", str(args.tensor_parallel_size)],
             prefill_args=speculative_args(args) + ["--kv-transport", args.kv_transport],
             decode_args=speculative_args(args) + (
                 ["--enable-graph"] if args.enable_graph else []),
             aggregated_args=speculative_args(args) + (
-                ["--enable-graph"] if args.enable_graph else []) + (
-                ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-                if args.tensor_parallel_size != 1 else []),
+                ["--enable-graph"] if args.enable_graph else []),
             tls=not args.insecure,
             core_share=core_share_wanted(args))
         cluster = LocalCluster(config)

@@ -195,14 +195,17 @@ def test_pdserve_up_aggregated_starts_one_aggregated_node_and_waits_for_health(t
     assert _processes_mentioning(str(run_dir)) == []
 
 
-@pytest.mark.parametrize("name,transport,mtp", [("deepseek-v3-mla", "tcp", True),
-                                                ("deepseek-v3-mla", "grpc", False),
-                                                ("qwen3-moe-e8k2", "grpc", False)])
-def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, transport, mtp):
+@pytest.mark.parametrize("name,transport,mtp,tp", [("deepseek-v3-mla", "tcp", True, 1),
+                                                   ("deepseek-v3-mla", "grpc", False, 1),
+                                                   ("qwen3-moe-e8k2", "grpc", False, 1),
+                                                   ("qwen3-moe-e8k2", "tcp", False, 2)])
+def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, transport, mtp,
+                                                             tp):
     """`pdserve up --model DIR` on a DeepSeek-V3 folder (MLA with its latent cache,
-    DeepSeekMoE, with its own MTP layer drafting on the decode node) and on Qwen3-MoE: PD
-    over mutual TLS, the KV pushed between real processes over the raw-TCP data plane or
-    gRPC; greedy text over HTTP and gRPC equals the single-node engine's."""
+    DeepSeekMoE, with its own MTP layer drafting on the decode node) and on Qwen3-MoE (also
+    with both nodes split over 2 tensor/expert-parallel ranks each): PD over mutual TLS,
+    the KV pushed between real processes over the raw-TCP data plane or gRPC; greedy text
+    over HTTP and gRPC equals the single-node engine's."""
     from engine import LLM
     from tests.tiny_mtp import with_mtp
 
@@ -217,7 +220,8 @@ def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, tra
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--http-port",
          str(http_port), "--grpc-port", str(grpc_port), "--dtype", "float32",
-         "--max-num-seqs", "4", "--kv-transport", transport, *extra],
+         "--max-num-seqs", "4", "--kv-transport", transport, "--tensor-parallel-size",
+         str(tp), *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:

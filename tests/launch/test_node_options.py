@@ -154,16 +154,14 @@ def test_up_makes_cpu_nodes_take_turns_unless_told_not_to(tmp_path, monkeypatch)
     assert parse("decode", "--core-share-lock", lock).core_share_lock == lock
 
 
-def test_tensor_parallel_size_reaches_the_engine_and_only_aggregated_nodes_take_it(
+def test_tensor_parallel_size_reaches_the_engine_and_up_gives_it_to_every_node(
         monkeypatch):
-    from launch.node_main import build_node
     assert config().tensor_parallel_size == 1
     assert config("--tensor-parallel-size", "2").tensor_parallel_size == 2
-    monkeypatch.setenv("PDSERVE_TENSOR_PARALLEL_SIZE", "4")
-    assert config().tensor_parallel_size == 4
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         config("--tensor-parallel-size", "0")
-    for role in ("prefill", "decode"):        # refused before any model is loaded
-        args = parse(role, "--model", "/nonexistent", "--tensor-parallel-size", "2")
-        with pytest.raises(CliError, match="aggregated nodes for now"):
-            build_node(role, args, f"{role}-0")
+    c = _up_config(monkeypatch, "--tensor-parallel-size", "2")
+    i = c.node_args.index("--tensor-parallel-size")
+    assert c.node_args[i + 1] == "2"                       # every role's flags
+    monkeypatch.setenv("PDSERVE_TENSOR_PARALLEL_SIZE", "4")
+    assert config().tensor_parallel_size == 4
