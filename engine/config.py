@@ -44,6 +44,10 @@ class EngineConfig:
     # tensor parallel: this many ranks on torch.distributed (engine/parallel/), rank 0 in
     # this process with the scheduler, the others in processes of their own
     tensor_parallel_size: int = 1
+    # "HOST:PORT": the group's rendezvous, rank 0 listening on PORT, the other ranks started
+    # apart (`pdserve tp-rank`: the workers of a multi-host group, e.g. a Kubernetes
+    # LeaderWorkerSet); None: rank 0 spawns them on this machine
+    tensor_parallel_store: str | None = None
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -86,6 +90,10 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         need(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
              f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        store = self.tensor_parallel_store
+        need(store is None or (tp > 1 and store.rpartition(":")[2].isdigit()),
+             f"tensor_parallel_store must be HOST:PORT with tensor_parallel_size > 1, "
+             f"got {store!r}")
         need(tp == 1 or not (self.speculative_method or self.enable_graph
                              or self.batch_invariant),
              "tensor_parallel_size > 1 runs eager decoding without speculative decoding or "

@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, str] = {
     "prefill": "launch.commands.prefill",
     "decode": "launch.commands.decode",
     "aggregated": "launch.commands.aggregated",
+    "tp-rank": "launch.commands.tp_rank",
     "generate": "launch.commands.generate",
     "offline": "launch.commands.offline",
     "certs": "launch.commands.certs",

@@ -50,6 +50,22 @@ def shard_cache(mcfg, num_blocks: int, block_size: int, dtype, device, rank: int
                      ranks)
 
 
+def run_rank(rank: int, config: EngineConfig) -> None:
+    """`pdserve tp-rank`: rank `rank` of the group whose rank 0 listens at
+    config.tensor_parallel_store, until rank 0 stops (or the group breaks)."""
+    from engine.device import Device
+    from engine.dtype import resolve_dtype
+    from engine.models.model_config import ModelConfig
+    if not 1 <= rank < config.tensor_parallel_size:
+        raise ValueError(f"rank {rank} is not in 1..{config.tensor_parallel_size - 1}")
+    if config.tensor_parallel_store is None:
+        raise ValueError("a rank started apart needs tensor_parallel_store (HOST:PORT)")
+    mcfg = ModelConfig.from_folder(config.model)
+    dtype = resolve_dtype(config.dtype, mcfg.torch_dtype, Device(config.device))
+    _rank_main(rank, config.tensor_parallel_size, f"tcp://{config.tensor_parallel_store}",
+               config, str(dtype).removeprefix("torch."))
+
+
 def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
                dtype_name: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -79,14 +95,21 @@ class Ranks:
     """Rank 0's handle on the group and on the other ranks' processes."""
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+        """With config.tensor_parallel_store the other ranks are started apart (`pdserve
+        tp-rank`) and join there; else they are spawned here."""
         world = config.tensor_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-tp-")
         init_method = f"file://{self._dir.name}/rendezvous"
-        ctx = multiprocessing.get_context("spawn")
-        dtype_name = str(dtype).removeprefix("torch.")
-        self.procs = [ctx.Process(target=_rank_main, daemon=True, name=f"pdserve-tp-rank{r}",
-                                  args=(r, world, init_method, config, dtype_name))
-                      for r in range(1, world)]
+        self.procs = []
+        if config.tensor_parallel_store is not None:
+            init_method = f"tcp://{config.tensor_parallel_store}"
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            dtype_name = str(dtype).removeprefix("torch.")
+            self.procs = [ctx.Process(target=_rank_main, daemon=True,
+                                      name=f"pdserve-tp-rank{r}",
+                                      args=(r, world, init_method, config, dtype_name))
+                          for r in range(1, world)]
         for p in self.procs:
             p.start()
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
@@ -98,10 +121,12 @@ class Ranks:
         self.lost: str | None = None
         self.on_lost: Callable[[str], None] | None = None
         self.cache: TpKvCache | None = None         # rank 0's, once made (engine_core)
-        threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
+        if self.procs:      # ranks started apart: a lost one fails the next collective
+            threading.Thread(target=self._watch, name="pdserve-tp-watch", daemon=True).start()
         weakref.finalize(self, Ranks._stop, self.group, self.procs, self._dir)
-        log.info("tensor parallel: %d ranks on %s, ranks 1-%d in processes %s", world,
-                 self.group.backend, world - 1, [p.pid for p in self.procs])
+        log.info("tensor parallel: %d ranks on %s, ranks 1-%d %s", world, self.group.backend,
+                 world - 1, f"in processes {[p.pid for p in self.procs]}" if self.procs
+                 else f"joined at {init_method}")
 
     def _watch(self) -> None:
         """Wait on the ranks' process sentinels: one that ends before close() is a lost
@@ -146,7 +171,7 @@ class Ranks:
     @staticmethod
     def _stop(group: TpGroup, procs, tmp) -> None:
         try:
-            if all(p.is_alive() for p in procs):
+            if group._pg is not None and all(p.is_alive() for p in procs):
                 group.broadcast(STOP)
         except Exception as exc:  # noqa: BLE001 - stopping: a dead rank is already gone
             log.warning("tensor parallel: stopping the ranks: %s", exc)

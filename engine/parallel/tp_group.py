@@ -27,6 +27,18 @@ def backend_for(device: torch.device | str) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
 
 
+def store_for(init_method: str, rank: int, world_size: int):
+    """The rendezvous: a file (ranks on one machine) or tcp://HOST:PORT, rank 0 listening
+    on PORT of every interface and the others connecting to HOST (ranks on other hosts)."""
+    if init_method.startswith("file://"):
+        return dist.FileStore(init_method.removeprefix("file://"), world_size)
+    if not init_method.startswith("tcp://"):
+        raise ValueError(f"tensor parallel rendezvous {init_method!r}: file:// or tcp://")
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore("0.0.0.0" if rank == 0 else host.strip("[]"), int(port), world_size,
+                         is_master=rank == 0, timeout=TIMEOUT, wait_for_workers=False)
+
+
 class TpGroup:
     """One engine's group. On a CPU it is a gloo process group of its own over a file
     store, not torch.distributed's process-wide default group, so two tensor-parallel
@@ -38,8 +50,8 @@ class TpGroup:
         self.backend = backend_for(device)
         self._pg = None
         if self.backend == "gloo":
-            store = dist.FileStore(init_method.removeprefix("file://"), world_size)
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, TIMEOUT)
+            self._pg = dist.ProcessGroupGloo(store_for(init_method, rank, world_size), rank,
+                                             world_size, TIMEOUT)
         else:
             dist.init_process_group(self.backend, init_method=init_method, rank=rank,
                                     world_size=world_size, timeout=TIMEOUT)

@@ -64,7 +64,11 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
     add_etcd_access_arguments(p)
     add_tls_arguments(p)
     add_tracing_arguments(p.add_argument_group("tracing"))
+    add_engine_arguments(p)
 
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's flags: a node's, and a tensor-parallel rank's (`pdserve tp-rank`)."""
     eng = p.add_argument_group("engine")
     env_argument(eng, "--model", "PDSERVE_MODEL", default=None, metavar="DIR",
                  help="HF model folder (default: the prepared SmolLM2-135M-Instruct)")
@@ -95,6 +99,11 @@ def add_node_arguments(p: argparse.ArgumentParser, role: str, default_port: int)
                  "distributed: gloo on a CPU, nccl on CUDA, hccl on Ascend), each a process; "
                  "pushed KV carries every head, so prefill and decode nodes of different "
                  "sizes work together")
+    env_argument(eng, "--tensor-parallel-store", "PDSERVE_TENSOR_PARALLEL_STORE",
+                 default=None, metavar="HOST:PORT", help="the group's rendezvous: rank 0 (the "
+                 "node) listens on PORT and the other ranks, started apart with `pdserve "
+                 "tp-rank` (e.g. a LeaderWorkerSet's workers), connect to HOST:PORT; unset: "
+                 "the node spawns them on its machine")
     env_flag(eng, "--batch-invariant", "PDSERVE_BATCH_INVARIANT",
              help="a request's tokens do not depend on what runs beside it (bf16 greedy "
                   "reproducible under load; cpu only, slower prefill)")
@@ -144,6 +153,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         cpu_threads=args.cpu_threads or None,
                         batch_invariant=args.batch_invariant,
                         tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_store=args.tensor_parallel_store,
                         enable_graph=args.enable_graph,
                         graph_max_batch_size=args.graph_max_batch_size,
                         speculative_method=SPECULATIVE_METHODS[

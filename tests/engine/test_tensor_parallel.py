@@ -103,3 +103,39 @@ def test_a_lost_rank_is_named_and_stops_the_engine(tmp_path_factory):
             llm.generate([{"prompt_token_ids": [5, 6, 8]}], params)
     finally:
         llm.engine.close()
+
+
+def test_a_rank_started_apart_joins_over_tcp(tmp_path_factory):
+    """A multi-host group's shape on loopback: rank 1 is `pdserve tp-rank`, its own
+    process started apart, joining rank 0's TCP rendezvous (tensor_parallel_store); the
+    tokens are TP = 1's, and the rank exits 0 when the engine closes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launch.etcd_server import free_port
+
+    folder = make_tiny_model("qwen3-qknorm-hd24", tmp_path_factory.mktemp("models"))[0]
+    store = f"127.0.0.1:{free_port()}"
+    root = Path(__file__).resolve().parents[2]
+    rank = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "tp-rank", "--rank", "1", "--model", str(folder),
+         "--dtype", "float32", "--block-size", "4", "--tensor-parallel-size", "2",
+         "--tensor-parallel-store", store], cwd=root, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 17], 320, 3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    try:
+        ref = [o.outputs[0] for o in LLM(str(folder), **OPTS).generate(prompts, params)]
+        llm = LLM(str(folder), **OPTS, tensor_parallel_size=2, tensor_parallel_store=store)
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert llm.engine.ranks.procs == []            # nothing spawned here
+        llm.engine.close()
+        out, _ = rank.communicate(timeout=60)
+        assert rank.returncode == 0, out
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+    for a, b in zip(ref, got, strict=True):
+        n = _exact_prefix(a)
+        assert b.token_ids[:n] == a.token_ids[:n]
