@@ -85,8 +85,10 @@ def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
                     cache.apply(msg[1])
                 elif isinstance(msg, tuple) and msg[0] == GATHER:
                     group.all_gather(cache.local_blocks(msg[1], msg[2]))
-                else:
-                    model(msg.token_ids, msg.positions, cache, msg.attn)
+                else:           # the forward, then the logits as rank 0's Worker takes them
+                    hidden = model(msg.token_ids, msg.positions, cache, msg.attn)
+                    if msg.sampling is not None and msg.selected_token_idxes.numel():
+                        model.logits(hidden, msg.selected_token_idxes)
     finally:
         group.close()
 

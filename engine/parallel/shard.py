@@ -16,8 +16,12 @@ Megatron's split, which needs one all-reduce per attention block and one per MLP
   shared experts run on rank 0 only. gloo has no all-to-all, so tokens are not sent to
   their experts' ranks: each rank reads all of them, which costs nothing extra here since
   every rank already holds every token after the attention's all-reduce.
-- the embedding, the norms and the LM head stay whole on every rank: after each all-reduce
-  every rank holds the full hidden state, so rank 0 computes the logits alone.
+- the embedding and the LM head split by vocabulary rows (a tied head shares the
+  embedding's rows): a rank looks up the tokens in its rows, zeros for the others, and an
+  all-reduce sums the lookups (exact: one non-zero term); each rank computes the logits of
+  its rows and an all-gather makes the whole row (on every rank; rank 0 samples). A
+  vocabulary that does not divide among the ranks stays whole on every rank. The norms
+  stay whole: after each all-reduce every rank holds the full hidden state.
 
 The cut is made on float weights before any CPU packing, with the C++ kernels off (a
 rank's forward must run the Python layers, where the all-reduces sit). The all-reduce adds
@@ -90,6 +94,7 @@ def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None
     inter = cfg.intermediate_size
     cols = (rank * inter // world, (rank + 1) * inter // world)
     with torch.no_grad():
+        shard_vocab(model, rank, world, group)
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
             q0, k0 = 0, h * d
@@ -179,3 +184,52 @@ class ExpertParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.block(x).contiguous())
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [lo, hi) of the embedding on this rank: a token outside them looks up nothing
+    (zeros), and the all-reduce of the ranks' lookups is the whole embedding (one non-zero
+    term a row: exact)."""
+
+    def __init__(self, embedding: nn.Embedding, group, lo: int, hi: int):
+        super().__init__()
+        self.lo, self.hi, self.group = lo, hi, group
+        self.weight = nn.Parameter(embedding.weight[lo:hi].detach().clone(),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.lo) & (ids < self.hi)
+        local = torch.where(mine, ids - self.lo, torch.zeros_like(ids))
+        rows = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.group.all_reduce(rows.contiguous())
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head's rows [lo, hi) on this rank: each rank's logits of its share of the
+    vocabulary, gathered into the whole row (every rank computes it: the sampler runs on
+    rank 0, the others discard theirs)."""
+
+    def __init__(self, weight: torch.Tensor, group):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(
+            weight, requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.group.all_gather(F.linear(x, self.weight)), dim=-1)
+
+
+def shard_vocab(model: DecoderForCausalLM, rank: int, world: int, group) -> bool:
+    """The embedding and the LM head split by vocabulary rows (a tied head shares the
+    embedding's slice); False (both left whole) when the vocabulary does not divide."""
+    vocab = model.config.vocab_size
+    if vocab % world or model.embed_tokens.weight.shape[0] != vocab:
+        return False
+    lo, hi = rank * vocab // world, (rank + 1) * vocab // world
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    head = model.lm_head.weight
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, group, lo, hi)
+    weight = model.embed_tokens.weight if tied else nn.Parameter(
+        head[lo:hi].detach().clone(), requires_grad=False)
+    model.lm_head = VocabParallelHead(weight, group)
+    return True

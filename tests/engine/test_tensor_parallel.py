@@ -47,6 +47,11 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
     try:
         attn = llm.engine.model.layers[0].self_attn
         assert attn.num_heads == 2 and llm.engine.kv_cache.num_kv_heads == attn.num_kv_heads
+        model = llm.engine.model                          # vocabulary-parallel ends
+        assert model.embed_tokens.weight.shape[0] == model.config.vocab_size // 2
+        assert model.lm_head.weight.shape[0] == model.config.vocab_size // 2
+        assert (model.lm_head.weight is model.embed_tokens.weight) == \
+            model.config.tie_word_embeddings
         sparse = [x.mlp for x in llm.engine.model.layers if isinstance(x.mlp, ExpertParallel)]
         assert all(m.block.experts.local.gate_up_proj.shape[0] == 4 for m in sparse)
         assert bool(sparse) == (name == "qwen3-moe-e8k2")
