@@ -48,6 +48,9 @@ class EngineConfig:
     # apart (`pdserve tp-rank`: the workers of a multi-host group, e.g. a Kubernetes
     # LeaderWorkerSet); None: rank 0 spawns them on this machine
     tensor_parallel_store: str | None = None
+    # MoE experts under tensor parallel: 1 (every rank computes every expert, as a dense
+    # MLP's copy) or tensor_parallel_size (each rank its share, an all-reduce sums them)
+    expert_parallel_size: int = 1
 
     def __post_init__(self):
         def need(cond: bool, msg: str):
@@ -90,6 +93,10 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         need(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
              f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        ep = self.expert_parallel_size
+        need(isinstance(ep, int) and not isinstance(ep, bool) and ep in (1, tp),
+             f"expert_parallel_size must be 1 or tensor_parallel_size ({tp}), got {ep!r} "
+             "(expert groups inside the tensor-parallel group are not supported yet)")
         store = self.tensor_parallel_store
         need(store is None or (tp > 1 and store.rpartition(":")[2].isdigit()),
              f"tensor_parallel_store must be HOST:PORT with tensor_parallel_size > 1, "

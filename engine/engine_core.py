@@ -74,7 +74,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from engine.parallel.rank_worker import Ranks, load_shard
             from engine.parallel.shard import check_shardable
-            check_shardable(mcfg, config.tensor_parallel_size)
+            check_shardable(mcfg, config.tensor_parallel_size, config.expert_parallel_size)
             self.ranks = Ranks(config, self.dtype, self.device.torch_device)
             self.model, self.model_config = load_shard(config, self.dtype,
                                                        self.device.torch_device, 0,

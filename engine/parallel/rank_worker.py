@@ -38,7 +38,8 @@ def load_shard(config: EngineConfig, dtype: torch.dtype, device: torch.device, r
     model, mcfg = load_model(config.model, dtype, device, config.attention_backend,
                              replace(KernelOptions.torch_only(),
                                      batch_invariant=config.batch_invariant))
-    shard_model(model, rank, group.world_size, group)
+    shard_model(model, rank, group.world_size, group,
+                expert_parallel=config.expert_parallel_size > 1)
     return model, mcfg
 
 

@@ -56,13 +56,14 @@ class RowParallel(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def check_shardable(cfg: ModelConfig, world: int) -> None:
-    """A clear error for a model this split does not cover (before any rank starts)."""
+def check_shardable(cfg: ModelConfig, world: int, expert_world: int | None = None) -> None:
+    """A clear error for a model this split does not cover (before any rank starts).
+    expert_world: the expert-parallel size (default: world)."""
     if is_mla(cfg.architecture):
         raise ValueError(f"{cfg.architecture}: tensor_parallel_size > 1 covers attention "
                          "with heads for now (not MLA)")
     experts = num_experts(cfg.raw) if cfg.architecture in MOE_ARCHITECTURES else None
-    if experts and experts % world:
+    if experts and (expert_world or world) > 1 and experts % world:
         raise ValueError(f"{cfg.architecture}: {experts} experts do not divide among "
                          f"tensor_parallel_size {world} ranks (expert parallel)")
     h, hk, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
@@ -82,9 +83,12 @@ def _rows(w: torch.Tensor | None, spans: list[tuple[int, int]]) -> torch.Tensor 
     return torch.cat([w[a:b] for a, b in spans], dim=0).contiguous()
 
 
-def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None:
+def shard_model(model: DecoderForCausalLM, rank: int, world: int, group,
+                expert_parallel: bool = True) -> None:
+    """expert_parallel: split MoE experts across the ranks (False: every rank keeps every
+    expert and computes the whole block, as each holds the whole hidden state)."""
     cfg = model.config
-    check_shardable(cfg, world)
+    check_shardable(cfg, world, world if expert_parallel else 1)
     if not all(isinstance(x.self_attn, Attention) for x in model.layers):
         raise ValueError(f"{cfg.architecture}: only attention with heads shards")
     h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -116,7 +120,8 @@ def shard_model(model: DecoderForCausalLM, rank: int, world: int, group) -> None
             o.bias = None
             a.o_proj = RowParallel(o, group, bias)
             if not isinstance(mlp, MLP):     # an MoE block: its experts split across ranks
-                layer.mlp = ExpertParallel(mlp, group, rank, world)
+                if expert_parallel:
+                    layer.mlp = ExpertParallel(mlp, group, rank, world)
                 continue
             gu = mlp.gate_up_proj
             gate_up = [(cols[0], cols[1]), (inter + cols[0], inter + cols[1])]

@@ -99,6 +99,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                  "distributed: gloo on a CPU, nccl on CUDA, hccl on Ascend), each a process; "
                  "pushed KV carries every head, so prefill and decode nodes of different "
                  "sizes work together")
+    env_argument(eng, "--expert-parallel-size", "PDSERVE_EXPERT_PARALLEL_SIZE", default=1,
+                 type=int, metavar="N", help="MoE experts split across N ranks: 1 (every "
+                 "rank keeps every expert) or --tensor-parallel-size (each its share)")
     env_argument(eng, "--tensor-parallel-store", "PDSERVE_TENSOR_PARALLEL_STORE",
                  default=None, metavar="HOST:PORT", help="the group's rendezvous: rank 0 (the "
                  "node) listens on PORT and the other ranks, started apart with `pdserve "
@@ -154,6 +157,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         batch_invariant=args.batch_invariant,
                         tensor_parallel_size=args.tensor_parallel_size,
                         tensor_parallel_store=args.tensor_parallel_store,
+                        expert_parallel_size=args.expert_parallel_size,
                         enable_graph=args.enable_graph,
                         graph_max_batch_size=args.graph_max_batch_size,
                         speculative_method=SPECULATIVE_METHODS[

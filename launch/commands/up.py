@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every node splits the model across N ranks (processes on "
                         "torch.distributed); the KV a prefill node pushes carries every "
                         "head whatever the split")
+    p.add_argument("--expert-parallel-size", type=int, default=1, metavar="N",
+                   help="MoE experts split across N of a node's ranks: 1 or "
+                        "--tensor-parallel-size")
     p.add_argument("--no-core-share", action="store_true",
                    help="on a CPU device the nodes take turns at engine steps, since they "
                         "share the machine's cores; this lets them run side by side (for "
@@ -158,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
             node_args=["--device", args.device, "--dtype", args.dtype, "--max-num-seqs",
                        str(args.max_num_seqs), "--kv-cache-memory-gb",
                        str(args.kv_cache_memory_gb), "--cpu-threads", str(args.cpu_threads),
-                       "--tensor-parallel-size", str(args.tensor_parallel_size)],
+                       "--tensor-parallel-size", str(args.tensor_parallel_size),
+                       "--expert-parallel-size", str(args.expert_parallel_size)],
             prefill_args=speculative_args(args) + ["--kv-transport", args.kv_transport],
             decode_args=speculative_args(args) + (
                 ["--enable-graph"] if args.enable_graph else []),

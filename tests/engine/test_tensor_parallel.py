@@ -34,16 +34,17 @@ def _exact_prefix(ref) -> int:
 
 # qwen2-gqa4: 1 KV head for 2 ranks (a copy each); llama-untied: biases on o_proj and the
 # MLP (added after the all-reduce); qwen3: q/k norms per head; qwen3-moe: 8 experts, 4 a
-# rank (expert parallel), its first layer dense
-@pytest.mark.parametrize("name", ["qwen2-gqa4", "llama-untied-hd32-llama3rope",
-                                  "qwen3-qknorm-hd24", "qwen3-moe-e8k2"])
-def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
+# rank (EP = 2) or all 8 on each (EP = 1), its first layer dense
+@pytest.mark.parametrize("name,ep", [("qwen2-gqa4", 1), ("llama-untied-hd32-llama3rope", 1),
+                                     ("qwen3-qknorm-hd24", 1), ("qwen3-moe-e8k2", 2),
+                                     ("qwen3-moe-e8k2", 1)])
+def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name, ep):
     folder = make_tiny_model(name, tmp_path_factory.mktemp("models"))[0]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [3, 9, 17, 30], 320, 11)]
     prompts.append({"prompt_token_ids": prompts[3]["prompt_token_ids"][:20] + [7, 8]})
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
     ref = [o.outputs[0] for o in LLM(str(folder), **OPTS).generate(prompts, params)]
-    llm = LLM(str(folder), **OPTS, tensor_parallel_size=2)
+    llm = LLM(str(folder), **OPTS, tensor_parallel_size=2, expert_parallel_size=ep)
     try:
         attn = llm.engine.model.layers[0].self_attn
         assert attn.num_heads == 2 and llm.engine.kv_cache.num_kv_heads == attn.num_kv_heads
@@ -54,7 +55,7 @@ def test_tp2_gives_the_tokens_and_logprobs_of_tp1(tmp_path_factory, name):
             model.config.tie_word_embeddings
         sparse = [x.mlp for x in llm.engine.model.layers if isinstance(x.mlp, ExpertParallel)]
         assert all(m.block.experts.local.gate_up_proj.shape[0] == 4 for m in sparse)
-        assert bool(sparse) == (name == "qwen3-moe-e8k2")
+        assert bool(sparse) == (ep == 2)          # EP = 1: every expert on every rank
         got = [o.outputs[0] for o in llm.generate(prompts, params)]    # prefix hit too
     finally:
         llm.engine.close()
@@ -73,13 +74,17 @@ def test_what_it_cannot_shard_is_named_before_any_rank_starts(tmp_path_factory):
     moe = make_tiny_model("qwen3-moe-e8k2", root)[0]
     with pytest.raises(ValueError, match="8 experts do not divide among "
                                          "tensor_parallel_size 3"):
-        LLMEngine(EngineConfig(model=str(moe), **OPTS, tensor_parallel_size=3))
+        LLMEngine(EngineConfig(model=str(moe), **OPTS, tensor_parallel_size=3,
+                               expert_parallel_size=3))
     dense = make_tiny_model("qwen3-qknorm-hd24", root)[0]
     with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by "
                                          "tensor_parallel_size 3"):
         LLMEngine(EngineConfig(model=str(dense), **OPTS, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig(model=str(dense), tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="expert_parallel_size must be 1 or "
+                                         "tensor_parallel_size"):
+        EngineConfig(model=str(moe), tensor_parallel_size=2, expert_parallel_size=4)
     with pytest.raises(ValueError, match="speculative decoding"):
         EngineConfig(model=str(dense), tensor_parallel_size=2, enable_graph=True)
 

@@ -221,7 +221,7 @@ def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, tra
         [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--http-port",
          str(http_port), "--grpc-port", str(grpc_port), "--dtype", "float32",
          "--max-num-seqs", "4", "--kv-transport", transport, "--tensor-parallel-size",
-         str(tp), *extra],
+         str(tp), "--expert-parallel-size", str(tp), *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
