@@ -46,9 +46,9 @@ def load_shard(config: EngineConfig, dtype: torch.dtype, device: torch.device, r
 def shard_cache(mcfg, num_blocks: int, block_size: int, dtype, device, rank: int,
                 world: int, ranks=None) -> TpKvCache:
     """This rank's KV cache: its own KV heads, whole heads at its boundary."""
+    heads, k_dim, v_dim = mcfg.kv_layout
     return TpKvCache(mcfg.num_hidden_layers, num_blocks, block_size, mcfg.num_attention_heads,
-                     mcfg.num_key_value_heads, mcfg.head_dim, dtype, device, rank, world,
-                     ranks)
+                     heads, k_dim, dtype, device, rank, world, ranks, v_head_dim=v_dim)
 
 
 def run_rank(rank: int, config: EngineConfig) -> None:

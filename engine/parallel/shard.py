@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.decoder import MLP, Attention, DecoderForCausalLM
+from engine.models.mla import MlaAttention
 from engine.models.mla_layout import is_mla
 from engine.models.model_config import ModelConfig
 from engine.models.moe import MOE_ARCHITECTURES, Experts, num_experts
@@ -59,9 +60,6 @@ class RowParallel(nn.Module):
 def check_shardable(cfg: ModelConfig, world: int, expert_world: int | None = None) -> None:
     """A clear error for a model this split does not cover (before any rank starts).
     expert_world: the expert-parallel size (default: world)."""
-    if is_mla(cfg.architecture):
-        raise ValueError(f"{cfg.architecture}: tensor_parallel_size > 1 covers attention "
-                         "with heads for now (not MLA)")
     experts = num_experts(cfg.raw) if cfg.architecture in MOE_ARCHITECTURES else None
     if experts and (expert_world or world) > 1 and experts % world:
         raise ValueError(f"{cfg.architecture}: {experts} experts do not divide among "
@@ -70,7 +68,7 @@ def check_shardable(cfg: ModelConfig, world: int, expert_world: int | None = Non
     problems = [f"{name} {n} is not divisible by tensor_parallel_size {world}"
                 for name, n in (("num_attention_heads", h), ("intermediate_size", inter))
                 if n % world]
-    if hk % world and world % hk:
+    if not is_mla(cfg.architecture) and hk % world and world % hk:
         problems.append(f"num_key_value_heads {hk} and tensor_parallel_size {world} do not "
                         "divide one another")
     if problems:
@@ -89,8 +87,8 @@ def shard_model(model: DecoderForCausalLM, rank: int, world: int, group,
     expert and computes the whole block, as each holds the whole hidden state)."""
     cfg = model.config
     check_shardable(cfg, world, world if expert_parallel else 1)
-    if not all(isinstance(x.self_attn, Attention) for x in model.layers):
-        raise ValueError(f"{cfg.architecture}: only attention with heads shards")
+    if not all(isinstance(x.self_attn, Attention | MlaAttention) for x in model.layers):
+        raise ValueError(f"{cfg.architecture}: its attention does not shard")
     h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     heads = range(rank * h // world, (rank + 1) * h // world)
     groups = h // hk
@@ -101,41 +99,67 @@ def shard_model(model: DecoderForCausalLM, rank: int, world: int, group,
         shard_vocab(model, rank, world, group)
         for layer in model.layers:
             a, mlp = layer.self_attn, layer.mlp
-            q0, k0 = 0, h * d
-            v0 = k0 + hk * d
-            spans = ([(q0 + heads[0] * d, q0 + (heads[-1] + 1) * d)]
-                     + [(k0 + k * d, k0 + (k + 1) * d) for k in kv_heads]
-                     + [(v0 + k * d, v0 + (k + 1) * d) for k in kv_heads])
-            a.qkv_proj.weight = nn.Parameter(_rows(a.qkv_proj.weight, spans),
-                                             requires_grad=False)
-            if a.qkv_proj.bias is not None:
-                a.qkv_proj.bias = nn.Parameter(_rows(a.qkv_proj.bias, spans),
-                                               requires_grad=False)
-            a.num_heads, a.num_kv_heads = len(heads), len(kv_heads)
-            a.q_size, a.kv_size = len(heads) * d, len(kv_heads) * d
-            o = a.o_proj
-            bias = o.bias.detach().clone() if o.bias is not None else None
-            o.weight = nn.Parameter(o.weight[:, heads[0] * d:(heads[-1] + 1) * d]
-                                    .contiguous(), requires_grad=False)
-            o.bias = None
-            a.o_proj = RowParallel(o, group, bias)
+            if isinstance(a, MlaAttention):
+                _shard_mla(a, heads, group)
+            else:
+                _shard_attention(a, heads, kv_heads, h, hk, d, group)
             if not isinstance(mlp, MLP):     # an MoE block: its experts split across ranks
                 if expert_parallel:
                     layer.mlp = ExpertParallel(mlp, group, rank, world)
                 continue
-            gu = mlp.gate_up_proj
-            gate_up = [(cols[0], cols[1]), (inter + cols[0], inter + cols[1])]
-            gu.weight = nn.Parameter(_rows(gu.weight, gate_up), requires_grad=False)
-            if gu.bias is not None:
-                gu.bias = nn.Parameter(_rows(gu.bias, gate_up), requires_grad=False)
-            mlp.inter = cols[1] - cols[0]
-            gu.split_rows = None
-            down = mlp.down_proj
-            bias = down.bias.detach().clone() if down.bias is not None else None
-            down.weight = nn.Parameter(down.weight[:, cols[0]:cols[1]].contiguous(),
-                                       requires_grad=False)
-            down.bias = None
-            mlp.down_proj = RowParallel(down, group, bias)
+            _shard_mlp(mlp, cols, inter, group)
+
+
+def _shard_attention(a: Attention, heads: range, kv_heads: list[int], h: int, hk: int,
+                     d: int, group) -> None:
+    """q/k/v rows of this rank's query heads and of the KV heads they read; o_proj
+    row-parallel."""
+    q0, k0 = 0, h * d
+    v0 = k0 + hk * d
+    spans = ([(q0 + heads[0] * d, q0 + (heads[-1] + 1) * d)]
+             + [(k0 + k * d, k0 + (k + 1) * d) for k in kv_heads]
+             + [(v0 + k * d, v0 + (k + 1) * d) for k in kv_heads])
+    a.qkv_proj.weight = nn.Parameter(_rows(a.qkv_proj.weight, spans), requires_grad=False)
+    if a.qkv_proj.bias is not None:
+        a.qkv_proj.bias = nn.Parameter(_rows(a.qkv_proj.bias, spans), requires_grad=False)
+    a.num_heads, a.num_kv_heads = len(heads), len(kv_heads)
+    a.q_size, a.kv_size = len(heads) * d, len(kv_heads) * d
+    a.o_proj = _row_parallel(a.o_proj, heads[0] * d, (heads[-1] + 1) * d, group)
+
+
+def _row_parallel(linear: nn.Module, lo: int, hi: int, group) -> RowParallel:
+    """Input columns [lo, hi) of `linear`, its bias kept for after the all-reduce."""
+    bias = linear.bias.detach().clone() if linear.bias is not None else None
+    linear.weight = nn.Parameter(linear.weight[:, lo:hi].contiguous(), requires_grad=False)
+    linear.bias = None
+    return RowParallel(linear, group, bias)
+
+
+def _shard_mla(a: MlaAttention, heads: range, group) -> None:
+    """MLA: the query and kv_b_proj rows of this rank's heads (the latent, kv_a_proj and
+    its norm stay whole: every rank writes the same latent cache), o_proj row-parallel."""
+    d = a.dims
+    h0, h1 = heads[0], heads[-1] + 1
+    q = a.q_proj if d.q_lora_rank is None else a.q_b_proj
+    q.weight = nn.Parameter(q.weight[h0 * a.qk_dim:h1 * a.qk_dim].contiguous(),
+                            requires_grad=False)
+    kvb = a.kv_b_proj
+    kvb.weight = nn.Parameter(kvb.weight[h0 * (d.nope + d.v):h1 * (d.nope + d.v)]
+                              .contiguous(), requires_grad=False)
+    a.num_heads = h1 - h0
+    a.o_proj = _row_parallel(a.o_proj, h0 * d.v, h1 * d.v, group)
+
+
+def _shard_mlp(mlp: MLP, cols: tuple[int, int], inter: int, group) -> None:
+    """gate and up columns [cols); down row-parallel."""
+    gu = mlp.gate_up_proj
+    gate_up = [(cols[0], cols[1]), (inter + cols[0], inter + cols[1])]
+    gu.weight = nn.Parameter(_rows(gu.weight, gate_up), requires_grad=False)
+    if gu.bias is not None:
+        gu.bias = nn.Parameter(_rows(gu.bias, gate_up), requires_grad=False)
+    mlp.inter = cols[1] - cols[0]
+    gu.split_rows = None
+    mlp.down_proj = _row_parallel(mlp.down_proj, cols[0], cols[1], group)
 
 
 class LocalExperts(nn.Module):

@@ -39,12 +39,13 @@ class TpKvCache(KVCache):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, dtype, device, rank: int, world: int,
-                 ranks=None):
+                 ranks=None, v_head_dim: int | None = None):
         """ranks: rank 0's handle (rank_worker.Ranks) for the collectives; None on the other
-        ranks, which answer them in their loop."""
+        ranks, which answer them in their loop. MLA's latent cache (one "head", no V:
+        v_head_dim 0) is whole on every rank: all query heads read it."""
         self.heads = [kv_heads_of(r, world, num_heads, num_kv_heads) for r in range(world)]
         super().__init__(num_layers, num_blocks, block_size, len(self.heads[rank]), head_dim,
-                         dtype, device)
+                         dtype, device, v_head_dim=v_head_dim)
         self.rank, self.world, self.ranks = rank, world, ranks
         self.full_kv_heads = num_kv_heads
         self._pending: list[tuple[int, bool, list[int], torch.Tensor]] = []
@@ -57,7 +58,7 @@ class TpKvCache(KVCache):
 
     @property
     def v_block_shape(self) -> tuple[int, int, int]:
-        return self.block_shape
+        return (self.block_size, self.full_kv_heads, self.v_head_dim)
 
     # ---- writes: a landed push ----------------------------------------------------------
     def write_blocks(self, layer: int, value: bool, block_ids: list[int],
@@ -79,9 +80,12 @@ class TpKvCache(KVCache):
 
     # ---- reads: a push from this node ---------------------------------------------------
     def local_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's heads of one layer's blocks: [2, n, block_size, heads, head_dim]."""
-        return torch.stack((gather_blocks(self.k[layer], block_ids),
-                            gather_blocks(self.v[layer], block_ids)))
+        """This rank's heads of one layer's blocks: [2, n, block_size, heads, head_dim]
+        (K alone, [1, ...], for a layout without V)."""
+        k = gather_blocks(self.k[layer], block_ids)
+        if not self.v_head_dim:
+            return k[None]
+        return torch.stack((k, gather_blocks(self.v[layer], block_ids)))
 
     def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Every rank's local_blocks -> [2, n, block_size, all KV heads, head_dim]."""
@@ -94,4 +98,6 @@ class TpKvCache(KVCache):
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank 0: (K, V) of one layer's blocks with every KV head, in the wire layout."""
         full = self.ranks.gather_kv(self, layer, block_ids)
+        if not self.v_head_dim:
+            return full[0], gather_blocks(self.v[layer], block_ids)    # the empty V
         return full[0], full[1]

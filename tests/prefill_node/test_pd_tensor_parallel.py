@@ -24,11 +24,20 @@ def folder(tmp_path_factory):
     return make_tiny_model("qwen3-qknorm-hd24", tmp_path_factory.mktemp("models"))[0]
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,tcp", [(2, 1, False), (1, 2, False),
-                                                      (2, 2, True)],
-                         ids=["2-to-1", "1-to-2", "2-to-2-tcp"])
+@pytest.fixture(scope="module")
+def mla_folder(tmp_path_factory):
+    return make_tiny_model("deepseek-v3-mla", tmp_path_factory.mktemp("models"))[0]
+
+
+@pytest.mark.parametrize("model,prefill_tp,decode_tp,tcp", [
+    ("gqa", 2, 1, False), ("gqa", 1, 2, False), ("gqa", 2, 2, True),
+    ("mla", 2, 1, True), ("mla", 1, 2, False)],
+    ids=["2-to-1", "1-to-2", "2-to-2-tcp", "mla-2-to-1-tcp", "mla-1-to-2"])
 def test_pd_between_tensor_parallel_layouts_gives_a_single_nodes_tokens(
-        folder, prefill_tp, decode_tp, tcp):
+        folder, mla_folder, model, prefill_tp, decode_tp, tcp):
+    """mla: DeepSeek-V3, whose latent cache every rank keeps whole (its heads split only in
+    the query and kv_b_proj), so the push is the same latent rows from any layout."""
+    folder = mla_folder if model == "mla" else folder
     prompts = random_prompts(5, [3, 9, 17, 30], 320, seed=13)
     prompts.append(prompts[3][:20] + [7, 8])          # a decode-side prefix hit
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
