@@ -29,6 +29,8 @@ from engine.parallel.tp_kv_cache import TpKvCache
 
 log = logging.getLogger(__name__)
 
+HOST = torch.device("cpu")
+
 
 def load_shard(config: EngineConfig, dtype: torch.dtype, device: torch.device, rank: int,
                group: TpGroup):
@@ -71,6 +73,8 @@ def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
                dtype_name: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device(config.device)
+    if device.type != "cpu" and device.index is None:   # one accelerator a rank
+        device = torch.device(device.type, rank)
     group = TpGroup(rank, world, init_method, device)
     try:
         dtype = getattr(torch, dtype_name)
@@ -85,8 +89,9 @@ def _rank_main(rank: int, world: int, init_method: str, config: EngineConfig,
                 if isinstance(msg, tuple) and msg[0] == WRITE:
                     cache.apply(msg[1])
                 elif isinstance(msg, tuple) and msg[0] == GATHER:
-                    group.all_gather(cache.local_blocks(msg[1], msg[2]))
+                    group.all_gather(cache.local_blocks(msg[1], msg[2].to(device)))
                 else:           # the forward, then the logits as rank 0's Worker takes them
+                    msg = msg.to(device)
                     hidden = model(msg.token_ids, msg.positions, cache, msg.attn)
                     if msg.sampling is not None and msg.selected_token_idxes.numel():
                         model.logits(hidden, msg.selected_token_idxes)
@@ -152,14 +157,14 @@ class Ranks:
             writes = self.cache.take_pending()
             if writes:
                 self.group.broadcast((WRITE, writes))
-        self.group.broadcast(fi)
+        self.group.broadcast(fi.to(HOST))      # each rank moves it to its own device
 
     def gather_kv(self, cache: TpKvCache, layer: int, block_ids: torch.Tensor
                   ) -> torch.Tensor:
         """Every rank's heads of one layer's blocks (a prefill node's push; between
         forwards, on the engine thread): [2, n, block_size, all KV heads, head_dim]."""
         self._check()
-        self.group.broadcast((GATHER, layer, block_ids))
+        self.group.broadcast((GATHER, layer, block_ids.to(HOST)))
         return cache.assemble(self.group.all_gather(cache.local_blocks(layer, block_ids)))
 
     def _check(self) -> None:

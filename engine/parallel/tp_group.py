@@ -47,6 +47,7 @@ class TpGroup:
 
     def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device):
         self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
         self.backend = backend_for(device)
         self._pg = None
         if self.backend == "gloo":
@@ -74,15 +75,18 @@ class TpGroup:
         return out
 
     def _broadcast(self, t: torch.Tensor) -> None:
-        if self._pg is None:
-            dist.broadcast(t, src=0)
+        if self._pg is None:        # nccl / hccl move device tensors only
+            on_device = t.to(self.device)
+            dist.broadcast(on_device, src=0)
+            t.copy_(on_device)
         else:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             self._pg.broadcast([t], opts).wait()
 
     def broadcast(self, obj=None):
-        """Rank 0's `obj` on every rank (pickled: host tensors and metadata)."""
+        """Rank 0's `obj` on every rank (pickled: host tensors and metadata; the caller
+        moves device tensors to the host first, a rank's device is its own)."""
         size = torch.zeros(1, dtype=torch.int64)
         data = None
         if self.rank == 0:

@@ -65,8 +65,8 @@ class TpKvCache(KVCache):
                      blocks: torch.Tensor) -> None:
         mine = blocks[:, :, self.heads[self.rank]]
         super().write_blocks(layer, value, block_ids, mine)
-        with self._lock:
-            self._pending.append((layer, value, list(block_ids), blocks.clone()))
+        with self._lock:       # on the host: the other ranks' devices are their own
+            self._pending.append((layer, value, list(block_ids), blocks.to("cpu", copy=True)))
 
     def take_pending(self) -> list:
         with self._lock:
