@@ -24,18 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import cpu_line, cpu_record  # noqa: E402
 from engine.layers import cpu_latent_attention  # noqa: E402
 from engine.layers.kernel_select import best_of  # noqa: E402
+from engine.models.mla_choice import ragged_tables  # noqa: E402
 
 R, P, BS = 512, 64, 16
 
 
 def case(lens: list[int], heads: int, dtype: torch.dtype, reps: int) -> tuple[float, float]:
     gen = torch.Generator().manual_seed(0)
-    widths = [-(-n // BS) for n in lens]
-    tables = torch.zeros(len(lens), max(widths), dtype=torch.int32)
-    nxt = 1
-    for i, w in enumerate(widths):
-        tables[i, :w] = torch.arange(nxt, nxt + w)
-        nxt += w
+    tables, nxt = ragged_tables(lens, BS)
     cache = torch.randn(1, nxt, BS, R + P, generator=gen).to(dtype)
     ql = torch.randn(len(lens), heads, R, generator=gen).to(dtype)
     qp = torch.randn(len(lens), heads, P, generator=gen).to(dtype)

@@ -72,13 +72,9 @@ class LLMEngine:
         kernels = replace(KernelOptions.from_env(), batch_invariant=config.batch_invariant)
         self.ranks = None       # tensor parallel: the group and the other ranks
         if config.tensor_parallel_size > 1:
-            from engine.parallel.rank_worker import Ranks, load_shard
-            from engine.parallel.shard import check_shardable
-            check_shardable(mcfg, config.tensor_parallel_size, config.expert_parallel_size)
-            self.ranks = Ranks(config, self.dtype, self.device.torch_device)
-            self.model, self.model_config = load_shard(config, self.dtype,
-                                                       self.device.torch_device, 0,
-                                                       self.ranks.group)
+            from engine.parallel.rank_worker import Ranks
+            self.ranks, self.model, self.model_config = Ranks.start(
+                config, mcfg, self.dtype, self.device.torch_device)
         else:
             self.model, self.model_config = load_model(config.model, self.dtype,
                                                        self.device.torch_device,
@@ -91,15 +87,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         bs = config.block_size
         num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
-        heads, k_dim, v_dim = mc.kv_layout
         if self.ranks is not None:      # this rank's KV heads; the others make theirs
-            from engine.parallel.rank_worker import shard_cache
-            self.ranks.group.broadcast(num_blocks)
-            self.kv_cache = shard_cache(mc, num_blocks, bs, self.dtype,
-                                        self.device.torch_device, 0,
-                                        config.tensor_parallel_size, self.ranks)
-            self.ranks.cache = self.kv_cache
+            self.kv_cache = self.ranks.make_cache(mc, num_blocks, bs)
         else:
+            heads, k_dim, v_dim = mc.kv_layout
             self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim,
                                     self.dtype, self.device.torch_device, v_head_dim=v_dim)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)

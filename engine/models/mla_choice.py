@@ -52,16 +52,23 @@ def choose_decode(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
     return name
 
 
-@torch.inference_mode()
-def _measure(attn: MlaAttention, bs: int, dtype: torch.dtype) -> str:
-    d, hq = attn.dims, attn.num_heads
-    gen = torch.Generator().manual_seed(0)
-    widths = [-(-n // bs) for n in TIMED_LENS]
+def ragged_tables(lens, block_size: int) -> tuple[torch.Tensor, int]:
+    """Block tables [B, W] int32 for sequences of these lengths, each its own consecutive
+    blocks from block 1 (0 is the padding block), and the number of blocks used + 1."""
+    widths = [-(-n // block_size) for n in lens]
     tables = torch.zeros(len(widths), max(widths), dtype=torch.int32)
     nxt = 1
     for i, w in enumerate(widths):
         tables[i, :w] = torch.arange(nxt, nxt + w)
         nxt += w
+    return tables, nxt
+
+
+@torch.inference_mode()
+def _measure(attn: MlaAttention, bs: int, dtype: torch.dtype) -> str:
+    d, hq = attn.dims, attn.num_heads
+    gen = torch.Generator().manual_seed(0)
+    tables, nxt = ragged_tables(TIMED_LENS, bs)
     cache = torch.randn(1, nxt, bs, d.latent, generator=gen).to(dtype)
     meta = SimpleNamespace(block_tables=tables,
                            seq_lens=torch.tensor(TIMED_LENS, dtype=torch.int32))

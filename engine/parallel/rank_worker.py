@@ -106,6 +106,7 @@ class Ranks:
         """With config.tensor_parallel_store the other ranks are started apart (`pdserve
         tp-rank`) and join there; else they are spawned here."""
         world = config.tensor_parallel_size
+        self.dtype, self.device = dtype, device
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-tp-")
         init_method = f"file://{self._dir.name}/rendezvous"
         self.procs = []
@@ -135,6 +136,23 @@ class Ranks:
         log.info("tensor parallel: %d ranks on %s, ranks 1-%d %s", world, self.group.backend,
                  world - 1, f"in processes {[p.pid for p in self.procs]}" if self.procs
                  else f"joined at {init_method}")
+
+    @classmethod
+    def start(cls, config: EngineConfig, mcfg, dtype: torch.dtype, device: torch.device):
+        """(ranks, rank 0's model shard, its config): the model checked first (a clear
+        error before any rank starts), then the ranks, then rank 0's own shard."""
+        from engine.parallel.shard import check_shardable
+        check_shardable(mcfg, config.tensor_parallel_size, config.expert_parallel_size)
+        ranks = cls(config, dtype, device)
+        model, mcfg = load_shard(config, dtype, device, 0, ranks.group)
+        return ranks, model, mcfg
+
+    def make_cache(self, mcfg, num_blocks: int, block_size: int) -> TpKvCache:
+        """Rank 0's KV cache; the other ranks make theirs of the block count sent here."""
+        self.group.broadcast(num_blocks)
+        self.cache = shard_cache(mcfg, num_blocks, block_size, self.dtype, self.device, 0,
+                                 self.group.world_size, self)
+        return self.cache
 
     def _watch(self) -> None:
         """Wait on the ranks' process sentinels: one that ends before close() is a lost
@@ -179,7 +197,7 @@ class Ranks:
     @staticmethod
     def _stop(group: TpGroup, procs, tmp) -> None:
         try:
-            if group._pg is not None and all(p.is_alive() for p in procs):
+            if group.is_open and all(p.is_alive() for p in procs):
                 group.broadcast(STOP)
         except Exception as exc:  # noqa: BLE001 - stopping: a dead rank is already gone
             log.warning("tensor parallel: stopping the ranks: %s", exc)

@@ -98,6 +98,10 @@ class TpGroup:
         self._broadcast(data)
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
+    @property
+    def is_open(self) -> bool:
+        return self._pg is not None or dist.is_initialized()
+
     def close(self) -> None:
         if self._pg is None and dist.is_initialized():
             dist.destroy_process_group()

@@ -54,6 +54,18 @@ def _meta(seq_lens: list[int], tables: torch.Tensor, decode: bool):
         query_lens_host=[1] * n, context_lens_host=[s - 1 for s in seq_lens])
 
 
+def _ragged_batch(d, hq, lens, rows, dtype, seed):
+    from engine.models.mla_choice import ragged_tables
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(1, 64, BS, d.latent)
+    tables, nxt = ragged_tables(lens, BS)
+    cache[0, 1:nxt] = torch.randn(nxt - 1, BS, d.latent, generator=g)
+    q_nope = torch.randn(len(lens) * rows, hq, d.nope, generator=g).to(dtype)
+    q_pe = torch.randn(len(lens) * rows, hq, d.rope, generator=g).to(dtype)
+    meta = SimpleNamespace(block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32))
+    return q_nope, q_pe, cache.to(dtype), meta
+
+
 @settings(max_examples=25, deadline=None)
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 9999))
 def test_absorbed_decode_matches_the_expanded_form(engine, lens, seed):
@@ -65,18 +77,9 @@ def test_absorbed_decode_matches_the_expanded_form(engine, lens, seed):
     plus a relative 1e-5 for the softmax's exp. Measured: at most 2.4e-7 (outputs up to 0.17)
     over 30 random contexts on each of the three layers."""
     attn = engine.model.layers[0].self_attn
-    d, hq = attn.dims, attn.num_heads
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(1, 64, BS, d.latent)
-    blocks_per = [-(-s // BS) for s in lens]
-    tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
-    nxt = 1
-    for i, nb in enumerate(blocks_per):
-        tables[i, :nb] = torch.arange(nxt, nxt + nb)
-        nxt += nb
-    cache[0, 1:nxt] = torch.randn(nxt - 1, BS, d.latent, generator=g)
-    q_nope = torch.randn(len(lens), hq, d.nope, generator=g)
-    q_pe = torch.randn(len(lens), hq, d.rope, generator=g)
+    q_nope, q_pe, cache, meta = _ragged_batch(attn.dims, attn.num_heads, lens, 1,
+                                              torch.float32, seed)
+    tables = meta.block_tables
     with torch.no_grad():
         absorbed = attn._decode(q_nope, q_pe, cache, _meta(lens, tables, True), len(lens))
         expanded = torch.empty_like(absorbed)
@@ -215,22 +218,6 @@ def test_absorbed_and_expanded_decode_agree_on_logits_and_tokens(tmp_path_factor
                 assert [t for t, _ in la.top] == [t for t, _ in le.top]
                 assert [lp for _, lp in la.top] == pytest.approx([lp for _, lp in le.top],
                                                                  abs=2e-5)
-
-
-def _ragged_batch(d, hq, lens, rows, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(1, 64, BS, d.latent)
-    blocks_per = [-(-s // BS) for s in lens]
-    tables = torch.zeros(len(lens), max(blocks_per), dtype=torch.int32)
-    nxt = 1
-    for i, nb in enumerate(blocks_per):
-        tables[i, :nb] = torch.arange(nxt, nxt + nb)
-        nxt += nb
-    cache[0, 1:nxt] = torch.randn(nxt - 1, BS, d.latent, generator=g)
-    q_nope = torch.randn(len(lens) * rows, hq, d.nope, generator=g).to(dtype)
-    q_pe = torch.randn(len(lens) * rows, hq, d.rope, generator=g).to(dtype)
-    meta = SimpleNamespace(block_tables=tables, seq_lens=torch.tensor(lens, dtype=torch.int32))
-    return q_nope, q_pe, cache.to(dtype), meta
 
 
 @settings(max_examples=25, deadline=None)

@@ -38,6 +38,21 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _banner(proc: subprocess.Popen, timeout: float = 180) -> str:
+    """What `pdserve up` printed up to its "Ctrl-C stops everything" line (or until it
+    exited or the time ran out)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    return "".join(lines)
+
+
 def _plaintext_health_fails(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,17 +78,8 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
          "--dtype", "float32", "--max-num-seqs", "4"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        out = "".join(lines)
+        out = _banner(proc)
         assert "Ctrl-C stops everything" in out, out
         assert f"http://127.0.0.1:{http_port}/v1" in out
         assert f"gRPC API:        127.0.0.1:{grpc_port}" in out
@@ -159,17 +165,8 @@ def test_pdserve_up_aggregated_starts_one_aggregated_node_and_waits_for_health(t
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--dtype",
          "float32", "--max-num-seqs", "4", "--insecure"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        out = "".join(lines)
+        out = _banner(proc)
         assert "pdserve is up: 1 aggregated node(s)" in out, out
         assert "prefill" not in out.split("pdserve is up:")[1].splitlines()[0]
         run_dir = Path(re.search(r"logs:\s+(\S+)", out).group(1))
@@ -223,17 +220,8 @@ def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, tra
          "--max-num-seqs", "4", "--kv-transport", transport, "--tensor-parallel-size",
          str(tp), "--expert-parallel-size", str(tp), *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        out = "".join(lines)
+        out = _banner(proc)
         assert "pdserve is up: 1 prefill + 1 decode node(s)" in out, out
         assert "node links:      mutual TLS" in out
         run_dir = Path(re.search(r"logs:\s+(\S+)", out).group(1))
@@ -290,7 +278,6 @@ def test_pdserve_up_aggregated_with_tensor_parallel_serves_and_survives_a_lost_r
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--dtype",
          "float32", "--max-num-seqs", "4", "--insecure", "--tensor-parallel-size", "2"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
             "temperature": 0}
 
@@ -301,15 +288,7 @@ def test_pdserve_up_aggregated_with_tensor_parallel_serves_and_survives_a_lost_r
         with urllib.request.urlopen(req, timeout=60) as resp:
             return json.loads(resp.read())["choices"][0]["text"]
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        out = "".join(lines)
+        out = _banner(proc)
         assert "pdserve is up: 1 aggregated node(s)" in out, out
         run_dir = Path(re.search(r"logs:\s+(\S+)", out).group(1))
         want = reference(LLM(folder, dtype="float32"), Req("http", body["prompt"], 8))
