@@ -188,6 +188,12 @@ NEW_TOPICS = [
 ]
 
 RAW_COUNT = 2400          # part 4's raw-text openings
+# Parts 7 and 8 (tools/mtp_broad.py): requests per topic style, per word style, per raw
+# kind; part 8 also asks each earlier style OLD_PER_STYLE times and OLD_RAW raw openings.
+BROAD_COUNTS = {7: (24, 16, 30), 8: (10, 6, 10)}
+OLD_PER_STYLE, OLD_RAW = 12, 200
+# Answers of these parts are sampled (temperature, top-p); the others are greedy.
+SAMPLED_PARTS = {8: (0.8, 0.95)}
 RAW_HELD_OUT = 64         # held-out raw-text openings (tools/mtp_raw.py held_out_raw_texts)
 
 
@@ -261,8 +267,27 @@ def corpus_prompts(tokenizer, seed: int, num_topics: int, per_topic: int, parts,
                   + chat_prompts(NEW_TOPICS, others, tokenizer, 4, random.Random(seed + 6)))
     if 4 in parts:
         out[4] = raw_prompts(tokenizer, seed + 4, raw_count)
+    for k in (7, 8):
+        if k in parts:
+            out[k] = broad_prompts(tokenizer, seed + k, k)
     held_raw = raw_prompts(tokenizer, HELD_OUT_SEED, RAW_HELD_OUT, held_out=True)
     return {k: out[k] for k in sorted(parts)}, held, held_raw
+
+
+def broad_prompts(tokenizer, seed: int, part: int) -> list[list[int]]:
+    """Part 7 or 8: tools/mtp_broad.py's many styles and raw kinds at small counts on every
+    training topic; part 8 adds the earlier parts' styles and raw openings (its answers
+    are sampled, SAMPLED_PARTS)."""
+    from tools.mtp_broad import broad_texts
+    from tools.mtp_raw import raw_texts
+    chat, raw = broad_texts(seed, TOPICS + EXTRA_TOPICS + NEW_TOPICS, *BROAD_COUNTS[part])
+    if part == 8:
+        rng = random.Random(seed + 1)
+        chat += [tmpl.format(t=t) for tmpl in CHAT + EXTRA_CHAT + MORE_CHAT
+                 for t in rng.sample(TOPICS + EXTRA_TOPICS + NEW_TOPICS, OLD_PER_STYLE)]
+        raw += raw_texts(seed + 2, OLD_RAW)
+    return ([_encode(tokenizer, r) for r in chat]
+            + [tokenizer.encode(t) for t in raw])
 
 
 def _encode(tokenizer, request: str) -> list[int]:
@@ -271,18 +296,25 @@ def _encode(tokenizer, request: str) -> list[int]:
 
 
 def generate_corpus(model_dir: str, prompts: list[list[int]], max_new: int, dtype: str,
-                    batch: int) -> list[tuple[list[int], int]]:
-    """Greedy ignore_eos answers, as (prompt + answer token ids, prompt length)."""
+                    batch: int, sampled: tuple[float, float] | None = None,
+                    seed: int = 0) -> list[tuple[list[int], int]]:
+    """ignore_eos answers, as (prompt + answer token ids, prompt length): greedy, or
+    `sampled` at (temperature, top-p) with request i seeded `seed` + i."""
     from engine import LLM, SamplingParams
     t0 = time.time()
     llm = LLM(model_dir, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=8192,
               kv_cache_memory_gb=max(1.0, batch * (max_new + 96) * 24e3 / 1e9 * 1.2))
-    sp = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    if sampled is None:
+        sp = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    else:
+        sp = [SamplingParams(max_tokens=max_new, temperature=sampled[0], top_p=sampled[1],
+                             seed=seed + i, ignore_eos=True) for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=True)
     seqs = [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
             for o in outs]
     n = sum(len(s) - p for s, p in seqs)
-    print(f"generated {n} tokens in {time.time() - t0:.0f}s ({dtype}, batch {batch})",
+    how = "greedy" if sampled is None else f"sampled at {sampled}"
+    print(f"generated {n} tokens in {time.time() - t0:.0f}s ({dtype}, batch {batch}, {how})",
           flush=True)
     return seqs
 

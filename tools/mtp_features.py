@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.models.loader import load_model
-from tools.mtp_corpus import corpus_prompts, generate_corpus
+from tools.mtp_corpus import SAMPLED_PARTS, corpus_prompts, generate_corpus
 
 
 class DenseCausal:
@@ -137,8 +137,10 @@ def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]
         if path is not None and path.is_file():
             got = torch.load(path)
         else:
+            part = int(name[4:]) if name.startswith("part") else None
             got = generate_corpus(args.model, prompts, args.max_new, args.gen_dtype,
-                                  args.gen_batch)
+                                  args.gen_batch, SAMPLED_PARTS.get(part),
+                                  args.seed + 1000 * (part or 0))
             if path is not None:
                 torch.save(got, path)
         if [s[:p] for s, p in got] != prompts:

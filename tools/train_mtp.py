@@ -285,7 +285,7 @@ def main() -> int:
     ap.add_argument("--num-topics", type=int, default=len(TOPICS))
     ap.add_argument("--templates-per-topic", type=int, default=8)
     ap.add_argument("--parts", type=lambda v: sorted({int(x) for x in v.split(",")}),
-                    default=[1, 2, 3, 4, 5, 6], help="corpus parts to train on, of 1-6 "
+                    default=[1, 2, 3, 4, 5, 6], help="corpus parts to train on, of 1-8 "
                     "(tools/mtp_corpus.py corpus_prompts; 4 = raw-text openings)")
     ap.add_argument("--raw-count", type=int, default=RAW_COUNT,
                     help="raw-text openings in part 4")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import tools.mtp_broad as broad
 import tools.mtp_corpus as corpus
 import tools.mtp_raw as raw
 from tools.mtp_corpus import RAW_COUNT
@@ -15,9 +16,24 @@ from tools.mtp_styles import chat_requests, raw_texts
 
 
 def _template_patterns() -> list[re.Pattern]:
-    templates = (corpus.CHAT + corpus.EXTRA_CHAT + corpus.MORE_CHAT)
-    return [re.compile("^" + re.escape(t).replace(re.escape("{t}"), ".+") + "$", re.I)
-            for t in templates]
+    templates = (corpus.CHAT + corpus.EXTRA_CHAT + corpus.MORE_CHAT + broad.TOPIC_STYLES
+                 + broad.WORD_STYLES)
+    holes = [re.escape(f"{{{h}}}") for h in ("t", "w", "ws")]
+    out = []
+    for t in templates:
+        pattern = re.escape(t)
+        for hole in holes:
+            pattern = pattern.replace(hole, ".+")
+        out.append(re.compile("^" + pattern + "$", re.I))
+    return out
+
+
+def test_the_patterns_catch_a_filled_template():
+    """The check below can fail: a corpus request of every kind matches its pattern."""
+    patterns = _template_patterns()
+    for request in (corpus.CHAT[0].format(t="owls"), broad.TOPIC_STYLES[5].format(t="owls"),
+                    broad.WORD_STYLES[-1].format(w="x", ws="a, b, c, d")):
+        assert any(p.match(request) for p in patterns), request
 
 
 def test_styles_and_sources_are_many_and_distinct():
@@ -42,7 +58,11 @@ def test_no_request_is_a_corpus_template_or_topic():
 
 def test_no_raw_opening_is_in_the_corpus():
     train = set(raw.raw_texts(4, RAW_COUNT)) | set(raw.held_out_raw_texts())
+    for seed, counts in ((7, corpus.BROAD_COUNTS[7]), (8, corpus.BROAD_COUNTS[8])):
+        train |= set(broad.broad_texts(seed, corpus.TOPICS, *counts)[1])
+    starts = {t.split("{")[0] for kind in broad.RAW_KINDS.values() for t in kind}
     for source, texts in raw_texts().items():
         for t in texts:
             assert t not in train, (source, t)
             assert not any(t[:40] in x for x in train), (source, t)
+            assert not any(s and t.startswith(s) for s in starts), (source, t)
