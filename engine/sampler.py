@@ -16,11 +16,10 @@ import torch
 
 from engine.layers import cpu_fused_ops
 from engine.sampling_metadata import SamplingMetadata
+from engine.top_k_top_p import apply_top_k_top_p
 
-# Slack when deciding whether the tokens before a candidate already reach top_p. Probabilities
-# come out of a float32 softmax + cumsum, so a cumulative mass that is mathematically exactly
-# top_p can land either side of it by ~1e-7; without slack the kept set would flip on rounding.
-_TOP_P_EPS = 1e-6
+__all__ = ["SampleOutput", "Sampler", "apply_penalties", "apply_top_k_top_p", "apply_min_p",
+           "exponential_race"]
 
 
 @dataclass
@@ -121,33 +120,6 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
     logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
     return logits
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask to -inf everything outside top-k, then outside top-p (over the top-k survivors).
-
-    One stable descending sort serves both. Masks are positional in that sorted order, so
-    exactly k tokens survive top-k, and ties are broken toward the lower token id, the same
-    way on every call.
-    """
-    v = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
-    pos = torch.arange(v, device=logits.device).unsqueeze(0)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, v).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(pos >= k, float("-inf"))
-    if top_p is not None:
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Mass strictly before each token: a token is needed iff that mass has not reached p.
-        # This keeps the smallest prefix whose mass >= p, and always keeps position 0.
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = top_p.unsqueeze(1)
-        drop = (before >= p - _TOP_P_EPS) & (p < 1.0)  # p == 1 rows keep even the tiniest tail
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

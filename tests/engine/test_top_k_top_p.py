@@ -1,0 +1,92 @@
+"""The CPU top-k / top-p mask from candidates (engine/top_k_top_p.py) keeps exactly the
+tokens the sorted definition keeps: per-row k and p, ties at the cut (broken toward the
+lower id), rows that keep everything, and rows whose cut lies past the candidates (decided
+again from more candidates, then by the full sort)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import engine.top_k_top_p as tkp
+
+
+def _near_the_cut(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """Whether a row's cumulative mass lands within float32 rounding of p - eps at some
+    position: there the kept set is decided by rounding in either implementation."""
+    v = logits.shape[-1]
+    vals = logits.double().sort(dim=-1, descending=True).values
+    k = torch.where(top_k > 0, top_k, v).clamp(max=v)
+    for row in range(logits.shape[0]):
+        if top_p[row] >= 1.0:
+            continue
+        probs = torch.softmax(vals[row, :int(k[row])], -1)
+        before = probs.cumsum(-1) - probs
+        if ((before - (float(top_p[row]) - tkp.TOP_P_EPS)).abs() < 1e-5).any():
+            return True
+    return False
+
+
+@st.composite
+def batches(draw):
+    v = draw(st.integers(20, 160))
+    n = draw(st.integers(1, 6))
+    # few distinct levels make ties common, as bf16 logits do
+    levels = draw(st.integers(2, 40))
+    scale = draw(st.sampled_from([0.05, 0.5, 2.0, 8.0]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (n, v), generator=g).float() * scale / levels * 10
+    top_k = torch.tensor(draw(st.lists(st.sampled_from([-1, 1, 2, 5, 9, 17, 40, 100, 500]),
+                                       min_size=n, max_size=n)))
+    top_p = torch.tensor(draw(st.lists(st.sampled_from([1.0, 0.999, 0.95, 0.9, 0.7, 0.5,
+                                                        0.2, 0.01]),
+                                       min_size=n, max_size=n)), dtype=torch.float32)
+    return logits, top_k, top_p
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batches(), widths=st.sampled_from([(4, 16), (8, 32), (16, 64), (2, 3)]),
+       use_k=st.booleans(), use_p=st.booleans())
+def test_candidates_keep_what_the_sort_keeps(batch, widths, use_k, use_p, monkeypatch_cls):
+    logits, top_k, top_p = batch
+    assume(not _near_the_cut(logits, top_k, top_p))
+    monkeypatch_cls.setattr(tkp, "CANDIDATES", widths)
+    k, p = (top_k if use_k else None), (top_p if use_p else None)
+    want = tkp.top_k_top_p_sorted(logits, k, p)
+    got = tkp._by_candidates(logits, k, p, 0)
+    assert torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_cls():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.mark.parametrize("case", ["peaked", "flat_p_near_one", "top_k_past_1024",
+                                  "top_k_past_8192", "mixed"])
+def test_full_vocabulary_rows_match_the_sort(case):
+    v, g = 49_152, torch.Generator().manual_seed(7)
+    logits = torch.randn(8, v, generator=g)
+    top_k = torch.full((8,), -1)
+    top_p = torch.full((8,), 0.9)
+    if case == "peaked":
+        logits = logits * 6
+    elif case == "flat_p_near_one":      # the cut lies past both candidate widths
+        logits, top_p = logits * 0.01, torch.full((8,), 0.999)
+    elif case == "top_k_past_1024":
+        top_k = torch.full((8,), 5000)
+    elif case == "top_k_past_8192":
+        top_k, top_p = torch.full((8,), 20_000), torch.full((8,), 1.0)
+    else:
+        logits = logits.to(torch.bfloat16).float() * 3     # ties
+        top_k = torch.tensor([-1, 1, 50, 5000, -1, 30_000, 7, -1])
+        top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 0.1, 0.3])
+    want = tkp.top_k_top_p_sorted(logits, top_k, top_p)
+    got = tkp.apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(got, want)
+    assert (got.isfinite().sum(-1) >= 1).all()
