@@ -15,6 +15,14 @@ kept, which is the stable sort's tie-break. A row whose cut lies beyond the cand
 decided again from more candidates and, past the last width, by the full sort. The
 decision reads the counts back to the host, so accelerators keep the sort (it is fast
 there and this module must not stall their stream).
+
+Cost at 64 rows, 2 threads (AMX Xeon): topk of 1,024 candidates 25 ms, of 8,192 56 ms,
+the stable sort 224 ms. A row decided from 1,024 candidates costs about a tenth of the
+sort; a row whose nucleus is wider than 8,192 tokens (near-uniform logits with p near 1)
+pays both topks before the sort, about 1.4x the sort alone. Generating part 8 of the MTP
+corpus (256 rows sampled at temperature 0.8, top-p 0.95, one seed each, 128 tokens) took
+86 s a batch against 123 s with the sort (greedy: 16 s; the seeded exponential race is
+most of the rest).
 """
 
 from __future__ import annotations
