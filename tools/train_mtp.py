@@ -278,7 +278,7 @@ def aux_layer_ids(spec: str, model_folder: str) -> list[int]:
     return sorted({n // 10, n // 2})
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="the target's HF folder")
     ap.add_argument("--out", required=True, help="safetensors file to write (bf16)")
@@ -328,6 +328,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corpus-cache", help="keep the generated corpus here between runs (.pt)")
     ap.add_argument("--cache", help="keep the corpus features here between runs (.pt)")
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
     if not args.teacher_temp > 0:
         ap.error(f"--teacher-temp must be > 0, got {args.teacher_temp}")
