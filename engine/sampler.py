@@ -137,7 +137,9 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     row from its generator, so its tokens depend only on its seed and step, never on where it
     sits in the batch or who its neighbours are.
     """
-    q = torch.empty_like(probs).exponential_()
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:    # a batch of seeded rows only skips this draw
+        q.exponential_()
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
     # exponential_ may return exactly 0; 0/0 would be NaN, which argmax would pick. The clamp
