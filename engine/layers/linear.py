@@ -7,13 +7,16 @@
   16 rows 0.52 -> 0.36, 48 rows 1.20 -> 1.05, 2048 rows 40.0 -> 35.2; the LM head
   (49,152 x 576) 4.3 -> 2.3 ms at 1 row and 11.8 -> 8.4 at 48. The numbers computed are
   the same oneDNN kernel's, so results match `F.linear` in bf16.
-- float32 on CPU over 2-4 rows: torch's float32 linear (x @ W^T) over 1 row runs a gemv
-  that streams W once, but over 2-4 rows it falls to a gemm path that costs 1.5-2.5x the
-  one-row time, so a speculative verify of 2-4 rows (batch 1, k = 1-3) paid nearly k+1
-  one-row forwards. Computed as (W @ x^T)^T the same product streams W once again
-  (AVX512 EPYC, one thread, 30 layers of SmolLM2-135M: 2 rows 92 -> 50 ms, 4 rows
-  88 -> 53 ms). float32 keeps MKL's `F.linear` otherwise: its rounding is HF's, which the
-  greedy-exactness tests hold us to.
+- float32 on CPU over 2-4 rows (a speculative verify at batch 1, k = 1-3): on an AVX512
+  EPYC torch's float32 linear (x @ W^T) fell there to a gemm path costing 1.5-2.5x the
+  one-row gemv, and (W @ x^T)^T streamed W once again (one thread, 30 layers of
+  SmolLM2-135M: 2 rows 92 -> 50 ms, 4 rows 88 -> 53 ms). On an AMX Xeon it is the other way
+  round: F.linear over 2-3 rows costs about one row's time and (W @ x^T)^T twice that, so
+  the rule written for the EPYC made MTP at batch 1 slower than plain decoding (0.69x).
+  Which rows take (W @ x^T)^T (`wxt_rows`) is chosen per shape by measurement at load
+  (engine/layers/linear_choice.py `choose_small_rows`); none until then. float32 keeps
+  MKL's `F.linear` otherwise: its rounding is HF's, which the greedy-exactness tests hold
+  us to.
 
 - bfloat16 on CPU, a fused gate/up projection (`split_rows` set by the MLP): its two halves
   are also prepacked on their own, so that the MLP's `silu(gate) * up` can run in the
@@ -43,7 +46,7 @@ from engine.layers import cpu_bf16_gemm
 
 log = logging.getLogger(__name__)
 
-SMALL_ROWS = (2, 4)     # inclusive row range taking the float32 W @ x^T path
+SMALL_ROWS = (2, 3, 4)  # float32 row counts that may take (W @ x^T)^T, by measurement
 PACK_ROWS_HINT = 64     # the row count oneDNN picks its packed layout for (decode-sized)
 # From this many rows the MLP takes silu_mul_packed. SmolLM2's 30 MLPs (576 -> 2 x 1536),
 # bf16, 2 threads, AVX512-BF16 EPYC, ms, one GEMM + silu + mul against two epilogue GEMMs:
@@ -76,6 +79,9 @@ class Linear(nn.Linear):
     # (engine/layers/linear_choice.py): calls of up to GEMM_SMALL_ROWS rows, longer ones
     gemm_small = True
     gemm_large = True
+    # float32 on CPU: the row counts (of SMALL_ROWS) computed as (W @ x^T)^T, chosen by
+    # measurement at load (linear_choice.choose_small_rows); F.linear for the others
+    wxt_rows: frozenset[int] = frozenset()
 
     def takes_bf16_gemm(self, x: torch.Tensor) -> bool:
         """Whether a call over `x` runs engine/layers/cpu_bf16_gemm.py."""
@@ -107,14 +113,19 @@ class Linear(nn.Linear):
             # after load, e.g. .float() for training features, converts its parameters
             # but not the packed tensor)
             weight = packed.to_dense().to(x.dtype)
-        if (x.dim() == 2 and SMALL_ROWS[0] <= x.shape[0] <= SMALL_ROWS[1]
-                and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not torch.is_grad_enabled()):
-            y = torch.mm(weight, x.t()).t()
-            if self.bias is not None:
-                y = y + self.bias
-            return y.contiguous()
+        if (x.dim() == 2 and x.shape[0] in self.wxt_rows and x.dtype == torch.float32
+                and x.device.type == "cpu" and not torch.is_grad_enabled()):
+            return linear_wxt(x, weight, self.bias)
         return F.linear(x, weight, self.bias)
+
+
+def linear_wxt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+    """x @ W^T + b computed as (W @ x^T)^T: one pass over W for a few rows of x."""
+    y = torch.mm(weight, x.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.contiguous()
 
 
 def _takes(x: torch.Tensor, packed: torch.Tensor | None) -> bool:

@@ -32,7 +32,9 @@ from engine.layers import cpu_bf16_gemm, cpu_extension, kernel_choice, kernel_se
 from engine.layers.linear import (
     FUSED_SILU_MUL_ROWS,
     GEMM_SMALL_ROWS,
+    SMALL_ROWS,
     Linear,
+    linear_wxt,
     silu_mul_packed,
 )
 
@@ -107,3 +109,45 @@ def _onednn(form: str):
         gate, up = linear(m, x).split(m.split_rows, dim=-1)
         return F.silu(gate) * up
     return silu_mul
+
+
+def choose_small_rows(model: torch.nn.Module) -> dict[str, str]:
+    """float32 CPU linears over 2-4 rows: F.linear or (W @ x^T)^T, timed per shape and row
+    count on the model's own weights at the process's thread count (each over every layer
+    of the shape, as bf16's choice); sets each Linear's `wxt_rows`. Returns
+    {shape and rows: kernel}."""
+    groups: dict[tuple[int, int], list[Linear]] = {}
+    for m in model.modules():
+        if (isinstance(m, Linear) and m.invariant is None and m.weight.numel()
+                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"):
+            groups.setdefault((m.in_features, m.out_features), []).append(m)
+    table, threads = {}, torch.get_num_threads()
+    for (k, n), layers in groups.items():
+        wxt = set()
+        for rows in SMALL_ROWS:
+            key = f"f32_linear [{n}, {k}] {rows} rows x{len(layers)} threads {threads}"
+            name = kernel_choice.CHOICES.choose(
+                key, lambda rows=rows, layers=layers: _measure_small(layers, rows))
+            table[f"f32 [{n}, {k}] {rows} rows"] = name
+            if name == "w_xt":
+                wxt.add(rows)
+        for m in layers:
+            m.wxt_rows = frozenset(wxt)
+    if table:
+        log.info("float32 small-row linear kernels chosen by measurement: %s",
+                 ", ".join(f"{g}: {k}" for g, k in table.items()))
+    return table
+
+
+@torch.inference_mode()
+def _measure_small(layers: list[Linear], rows: int) -> str:
+    x = torch.randn(rows, layers[0].in_features)
+
+    def over_layers(run):
+        return lambda: (lambda: [run(x, m.weight, m.bias) for m in layers])
+
+    best, _ = kernel_select.fastest(
+        f"float32 linear [{layers[0].out_features}, {layers[0].in_features}] at {rows} rows",
+        [kernel_select.Candidate("f_linear", over_layers(F.linear)),
+         kernel_select.Candidate("w_xt", over_layers(linear_wxt))])
+    return best

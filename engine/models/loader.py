@@ -106,6 +106,8 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         pack_linears(model, keep_dense=("lm_head",), bf16_gemm=bf16_gemm)
         if bf16_gemm and kernels.cpu_bf16_gemm_measure:   # keep the copies where faster here
             linear_choice.choose(model)
+    elif dtype == torch.float32 and torch.device(device).type == "cpu":
+        linear_choice.choose_small_rows(model)
     return model.eval(), cfg
 
 

@@ -284,5 +284,7 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
         pack_linears(mtp, release=False, bf16_gemm=bf16_gemm)
         if bf16_gemm and kernels.cpu_bf16_gemm_measure:
             linear_choice.choose(mtp)
+    elif dtype == torch.float32 and torch.device(device).type == "cpu":
+        linear_choice.choose_small_rows(mtp)
     return mtp.eval()
 
