@@ -5,7 +5,7 @@ each of two held-out prompt sets.
 
     .venv/bin/python bench/spec_decode.py [--model DIR] [--sets chat,raw] [--batches 1,8]
         [--ks 1,2,3] [--max-tokens 96] [--reps 2] [--dtype auto] [--threads 1] [--graph]
-        [--json out.json]
+        [--no-speed] [--json out.json]
 
 Sets (all kept out of the head's training, checked by tools/mtp_corpus.py,
 tests/tools/test_mtp_raw.py and tests/tools/test_mtp_styles.py):
@@ -23,7 +23,8 @@ rep, and the table shows medians, so load from other processes hits them alike. 
 `identical` counts the sequences whose tokens equal plain decoding's (in float32 they must
 all be; in bf16 the verify rows' different kernel shapes may flip a near-tie). The
 acceptance phase runs every prompt of a set as one batch per k (float32 verify is exact,
-so the batch does not change acceptance).
+so the batch does not change acceptance) beside one plain batch, and counts `identical`
+over every prompt; `--no-speed` runs only that phase (evaluating a head).
 """
 
 from __future__ import annotations
@@ -126,17 +127,22 @@ def measure_acceptance(llms: dict, ks: list[int], sets: dict, max_tokens: int) -
     run as one batch per (set, k)."""
     rows, out = [], {}
     for name, prompts in sets.items():
+        _, plain = run_once(llms[0], prompts, max_tokens)
         for k in ks:
             before = dict(llms[k].stats())
-            run_once(llms[k], prompts, max_tokens)
+            _, got = run_once(llms[k], prompts, max_tokens)
             length, per_pos = spec_delta(llms[k].stats(), before, k)
+            same = sum(a == b for a, b in zip(plain, got, strict=True))
             out[f"{name}_k{k}"] = {"acceptance_length": round(length, 3),
-                                   "per_position": [round(a, 3) for a in per_pos]}
-            rows.append([name, k, f"{length:.3f}", ", ".join(f"{a:.3f}" for a in per_pos)])
+                                   "per_position": [round(a, 3) for a in per_pos],
+                                   "identical": f"{same}/{len(plain)}"}
+            rows.append([name, k, f"{length:.3f}", ", ".join(f"{a:.3f}" for a in per_pos),
+                         f"{same}/{len(plain)}"])
     print()
     sizes = ", ".join(f"{n}: {len(p)} prompts" for n, p in sets.items())
     print(f"acceptance over each held-out set ({sizes}) x {max_tokens} tokens, one batch:")
-    print(md_table(["set", "k", "acceptance length", "per position (cumulative)"], rows))
+    print(md_table(["set", "k", "acceptance length", "per position (cumulative)",
+                    "identical to off"], rows))
     return out
 
 
@@ -188,6 +194,8 @@ def main() -> int:
     ap.add_argument("--sets", default="chat,raw", help="held-out prompt sets: chat, raw, "
                     "styles (tools/mtp_styles.py: one set per request style and raw source, "
                     "with a median-style summary)")
+    ap.add_argument("--no-speed", action="store_true",
+                    help="skip the timed runs: acceptance only (evaluating a head)")
     ap.add_argument("--no-acceptance", action="store_true",
                     help="skip the acceptance phase over every prompt of each set")
     ap.add_argument("--json")
@@ -213,12 +221,13 @@ def main() -> int:
 
     rows, results = [], {}
     for name, prompts in sets.items():
-        for b in batches:
+        for b in ([] if args.no_speed else batches):
             measure_speed(llms, name, prompts, b, ks, args.reps, args.max_tokens, rows,
                           results)
-    print()
-    print(md_table(["set", "batch", "mode", "tokens/s", "vs off", "acceptance length",
-                    "identical to off"], rows))
+    if rows:
+        print()
+        print(md_table(["set", "batch", "mode", "tokens/s", "vs off", "acceptance length",
+                        "identical to off"], rows))
     if not args.no_acceptance and ks:
         results["acceptance"] = measure_acceptance(llms, ks, sets, args.max_tokens)
         if "styles" in args.sets.split(","):
