@@ -1,41 +1,36 @@
 """Train an MTP draft head for a model by self-distillation from the model's own outputs.
 
-No data is downloaded: the corpus is the model's own greedy continuations
+No data is downloaded: the corpus is the model's own continuations, greedy but for part 8
 (tools/mtp_corpus.py), generated with pdserve's engine in bfloat16 at batch 256,
-ignore_eos, as the bench decodes, in six parts (`corpus_prompts`, each cached on its
-own): chat requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics
-and 10 more styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text
-openings without a chat template (tools/mtp_raw.py: code in 12 languages and forms,
-prose, lists, dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339
-topics; (6) 2,200 chat requests on 275 new topics, each in the bench's four styles and 4
-more. Held out, for the agreement printed after every epoch: 48 chat requests on 12
-topics kept out of training and 64 raw openings whose subjects and code tasks no
-training opening uses. Then, once per part: the target's final hidden states h_t, the
-residual streams after the --aux-layers (what the engine's target hands the draft) and
-its top-K next-token distributions at every position are computed and kept (--cache,
-one file per part, rebuilt when the arguments change). Only the head trains: at row t
-it sees (h_t and the aux layers' rows, x_{t+1}) and learns the target's distribution at
-t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
+ignore_eos, as the bench decodes, in eight parts (`corpus_prompts`, each cached on its
+own): chat requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics and
+10 more styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text
+openings without a chat template (tools/mtp_raw.py: code in 12 languages and forms, prose,
+lists, dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339 topics;
+(6) 2,200 chat requests on 275 new topics, each in the bench's four styles and 4 more; (7)
+1,956 requests and raw openings in 68 styles and 14 raw kinds the others lack
+(tools/mtp_broad.py, a few dozen each); (8) 1,332 more of those and of the earlier styles,
+answers sampled (temperature 0.8, top-p 0.95). Held out, for the agreement printed after
+every epoch: 48 chat requests on 12 topics kept out of training and 64 raw openings whose
+subjects and code tasks no training opening uses. Then, once per part: the target's final
+hidden states h_t, the residual streams after the --aux-layers (what the engine's target
+hands the draft) and its top-K next-token distributions at every position are computed and
+kept (--cache, one file per part, rebuilt when the arguments change). Only the head
+trains: at row t it sees (h_t and the aux layers' rows, x_{t+1}) and learns the target's
+distribution at t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
 --step3-weight) feed the head's own hidden state back with the next token, attending as
-the engine's later draft steps do, and learn the distributions after it. The loss and
-the held-out agreement count only rows whose input token is a generated one (that is
-where the engine drafts), not the prompt or template.
+the engine's later draft steps do, and learn the distributions after it. The loss and the
+held-out agreement count only rows whose input token is a generated one (that is where the
+engine drafts), not the prompt or template.
 
 The decoder layer starts as a copy of the target's last layer and shared_head.norm as its
 final norm, or (--init) as a head trained before. The result is a small safetensors file
 under DeepSeek-V3 keys (model.layers.{num_hidden_layers}.*) plus the draft vocabulary.
 
-The shipped head was grown in stages, each continuing the one before with --init (the
-commands and the measured costs are in docs/perf/HISTORY.md, "Speculative decoding
-(MTP)"): chat parts 1-3 from the target's last layer (5 epochs, ~55 min); two epochs on
-parts 1 and 4 (~30 min); two epochs on parts 1, 4 and 5 at --lr 1e-3 (~35 min with part
-5's corpus and features); one epoch at --lr 5e-4 with --step3-weight 0.3 and one more
-with 0.6 (~12 min each); then, with --aux-layers 3,15 (the projection starting at zero),
-two epochs at --lr 1e-3 and --step3-weight 0.6 (~25 min of features with the two layers,
-~25 min of training); then two epochs on all five parts at --lr 5e-4 with --teacher-temp
-0.25 (~27 min for parts 2-3's corpus and features, ~40 min of training); then one epoch on
-all six at --lr 4e-4 (~11 min for part 6's corpus and features, ~24 min of training).
-The caches only skip regenerating the corpus / recomputing features on a rerun.
+The shipped head was grown in stages, each continuing the one before with --init:
+tools/mtp_recipe.py runs the whole chain from nothing (its docstring lists the stages
+and their costs; docs/perf/HISTORY.md, "Speculative decoding (MTP)", has each stage's
+measurements). The caches only skip regenerating the corpus / recomputing features on a rerun.
 """
 
 from __future__ import annotations
