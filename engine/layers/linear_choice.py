@@ -113,19 +113,20 @@ def _onednn(form: str):
 
 def choose_small_rows(model: torch.nn.Module) -> dict[str, str]:
     """float32 CPU linears over 2-4 rows: F.linear or (W @ x^T)^T, timed per shape and row
-    count on the model's own weights at the process's thread count (each over every layer
-    of the shape, as bf16's choice); sets each Linear's `wxt_rows`. Returns
-    {shape and rows: kernel}."""
+    count on the model's own weights (each over every layer of the shape, as bf16's
+    choice); sets each Linear's `wxt_rows`. Kept per machine, not per thread count, so
+    every process of a cluster computes the same bits (a PD prompt's rows on the prefill
+    node and a single node's). Returns {shape and rows: kernel}."""
     groups: dict[tuple[int, int], list[Linear]] = {}
     for m in model.modules():
         if (isinstance(m, Linear) and m.invariant is None and m.weight.numel()
                 and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"):
             groups.setdefault((m.in_features, m.out_features), []).append(m)
-    table, threads = {}, torch.get_num_threads()
+    table = {}
     for (k, n), layers in groups.items():
         wxt = set()
         for rows in SMALL_ROWS:
-            key = f"f32_linear [{n}, {k}] {rows} rows x{len(layers)} threads {threads}"
+            key = f"f32_linear [{n}, {k}] {rows} rows x{len(layers)}"
             name = kernel_choice.CHOICES.choose(
                 key, lambda rows=rows, layers=layers: _measure_small(layers, rows))
             table[f"f32 [{n}, {k}] {rows} rows"] = name
