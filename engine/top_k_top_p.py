@@ -71,7 +71,6 @@ def _by_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
                    top_p: torch.Tensor | None, width_index: int) -> torch.Tensor:
     if width_index == len(CANDIDATES) or CANDIDATES[width_index] >= logits.shape[-1]:
         return top_k_top_p_sorted(logits, top_k, top_p)
-    n, v = logits.shape
     width = CANDIDATES[width_index]
     vals = logits.topk(width, dim=-1, sorted=True).values
     kept, keep_all, decided = _kept_counts(logits, vals, top_k, top_p)

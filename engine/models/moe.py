@@ -122,16 +122,19 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
         if x.shape[0] == 0:
-            return out
+            return torch.zeros_like(x)
         flat = ids.reshape(-1)
         # the (token, slot) pairs sorted by expert: one contiguous run of rows per expert
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        k = ids.shape[1]
-        tokens = order // k
-        slot_weights = weights.reshape(-1)[order]
+        return self.grouped(x, order // ids.shape[1], weights.reshape(-1)[order], counts)
+
+    def grouped(self, x: torch.Tensor, tokens: torch.Tensor, slot_weights: torch.Tensor,
+                counts: list[int]) -> torch.Tensor:
+        """Sum over (token, slot) pairs sorted by expert, `counts[e]` of them for expert e:
+        each expert's rows in one GEMM pair, weighted and added into their tokens' rows."""
+        out = torch.zeros_like(x)
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:

@@ -177,27 +177,16 @@ class LocalExperts(nn.Module):
                                                 requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         mine = ((flat >= self.lo) & (flat < self.hi)).nonzero().squeeze(1)
         if mine.numel() == 0:
-            return out
+            return torch.zeros_like(x)
         local = flat[mine] - self.lo
         order = torch.argsort(local, stable=True)          # runs of rows per local expert
         tokens = (mine // ids.shape[1])[order]
         slot_weights = weights.reshape(-1)[mine][order]
         counts = torch.bincount(local, minlength=self.hi - self.lo).tolist()
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = tokens[start:start + n]
-            gate, up = F.linear(x.index_select(0, rows),
-                                self.local.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.local.down_proj[expert])
-            out.index_add_(0, rows, (y * slot_weights[start:start + n, None]).to(out.dtype))
-            start += n
-        return out
+        return self.local.grouped(x, tokens, slot_weights, counts)
 
 
 class ExpertParallel(nn.Module):

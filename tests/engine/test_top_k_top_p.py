@@ -50,21 +50,15 @@ def batches(draw):
 @settings(max_examples=300, deadline=None)
 @given(batch=batches(), widths=st.sampled_from([(4, 16), (8, 32), (16, 64), (2, 3)]),
        use_k=st.booleans(), use_p=st.booleans())
-def test_candidates_keep_what_the_sort_keeps(batch, widths, use_k, use_p, monkeypatch_cls):
+def test_candidates_keep_what_the_sort_keeps(batch, widths, use_k, use_p):
     logits, top_k, top_p = batch
     assume(not _near_the_cut(logits, top_k, top_p))
-    monkeypatch_cls.setattr(tkp, "CANDIDATES", widths)
     k, p = (top_k if use_k else None), (top_p if use_p else None)
     want = tkp.top_k_top_p_sorted(logits, k, p)
-    got = tkp._by_candidates(logits, k, p, 0)
+    with pytest.MonkeyPatch.context() as mp:    # small widths, undone for the next test
+        mp.setattr(tkp, "CANDIDATES", widths)
+        got = tkp._by_candidates(logits, k, p, 0)
     assert torch.equal(got, want)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_cls():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 @pytest.mark.parametrize("case", ["peaked", "flat_p_near_one", "top_k_past_1024",
@@ -86,6 +80,7 @@ def test_full_vocabulary_rows_match_the_sort(case):
         logits = logits.to(torch.bfloat16).float() * 3     # ties
         top_k = torch.tensor([-1, 1, 50, 5000, -1, 30_000, 7, -1])
         top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 0.1, 0.3])
+    assert tkp.CANDIDATES == (1024, 8192)
     want = tkp.top_k_top_p_sorted(logits, top_k, top_p)
     got = tkp.apply_top_k_top_p(logits, top_k, top_p)
     assert torch.equal(got, want)

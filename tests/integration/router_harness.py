@@ -234,3 +234,36 @@ def counter_total(text: str, name: str) -> float:
 
     return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == name
                for s in fam.samples if s.name == f"{name}_total")
+
+
+async def stream_killing_the_busy_decode(cluster, model: str, prompt: list[int],
+                                         max_tokens: int, kill) -> tuple[list[int], str,
+                                                                         str | None, list[str]]:
+    """Stream a greedy completion over HTTP; once 3 tokens arrived, `kill(node)` the one
+    decode node serving it (awaited in a thread). (tokens, text, finish reason, the names
+    of the nodes killed: one, or none if the request finished first)."""
+    tokens, text, finish, killed = [], "", None, []
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "return_token_ids": True}
+    async with ClientSession() as http, \
+            http.post(cluster.http_url + "/v1/completions", json=body) as resp:
+        assert resp.reason == "OK"
+        async for line in resp.content:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            choice = event["choices"][0]
+            tokens += choice["token_ids"]
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+            if len(tokens) >= 3 and not killed:
+                busy = [n for n, v in (await asyncio.to_thread(
+                    router_inflight, cluster.http_url)).items()
+                    if n.startswith("decode") and v > 0]
+                assert len(busy) == 1, busy
+                await asyncio.to_thread(kill, next(c for c in cluster.nodes
+                                                   if c.name == busy[0]))
+                killed.append(busy[0])
+    return tokens, text, finish, killed

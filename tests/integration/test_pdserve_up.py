@@ -70,14 +70,8 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
     from engine import LLM
 
     folder = tiny_model_folder(tmp_path / "models")
-    http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_API_KEY": KEY}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--prefill", "1",
-         "--decode", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-         "--dtype", "float32", "--max-num-seqs", "4"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+    proc, http_port, grpc_port = _start_up(folder, "--prefill", "1", "--decode", "1", key=KEY)
+    env = _up_env(KEY)
     try:
         out = _banner(proc)
         assert "Ctrl-C stops everything" in out, out
@@ -150,6 +144,27 @@ def test_pdserve_up_serves_and_stops_everything_on_ctrl_c(tmp_path):
     assert _processes_mentioning(run_dir) == []
 
 
+def _up_env(key: str | None = None) -> dict[str, str]:
+    """This checkout on the path, and `key` (or no key) as PDSERVE_API_KEY."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PDSERVE_API_KEY", None)
+    return env if key is None else {**env, "PDSERVE_API_KEY": key}
+
+
+def _start_up(folder, *flags: str, key: str | None = None
+              ) -> tuple[subprocess.Popen, int, int]:
+    """`pdserve up --model folder` in float32 at 4 sequences, on free ports, with `flags`
+    and the API key `key` (none by default); (process, HTTP port, gRPC port)."""
+    http_port, grpc_port = free_port(), free_port()
+    env = _up_env(key)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--http-port",
+         str(http_port), "--grpc-port", str(grpc_port), "--dtype", "float32",
+         "--max-num-seqs", "4", *flags],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, http_port, grpc_port
+
+
 def test_pdserve_up_aggregated_starts_one_aggregated_node_and_waits_for_health(tmp_path):
     """`pdserve up --aggregated`: etcd, one aggregated node and the router, no prefill or
     decode node; the banner comes only once the router's /health is 200, so the first
@@ -157,14 +172,7 @@ def test_pdserve_up_aggregated_starts_one_aggregated_node_and_waits_for_health(t
     from engine import LLM
 
     folder = tiny_model_folder(tmp_path / "models")
-    http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PDSERVE_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "up", "--aggregated", "--model", str(folder),
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--dtype",
-         "float32", "--max-num-seqs", "4", "--insecure"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, http_port, _ = _start_up(folder, "--aggregated", "--insecure")
     try:
         out = _banner(proc)
         assert "pdserve is up: 1 aggregated node(s)" in out, out
@@ -211,15 +219,9 @@ def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, tra
     if mtp:
         folder = with_mtp(folder, tmp_path / "models" / f"{name}-mtp")
         extra = ["--speculative-method", "mtp"]
-    http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PDSERVE_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "up", "--model", str(folder), "--http-port",
-         str(http_port), "--grpc-port", str(grpc_port), "--dtype", "float32",
-         "--max-num-seqs", "4", "--kv-transport", transport, "--tensor-parallel-size",
-         str(tp), "--expert-parallel-size", str(tp), *extra],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, http_port, grpc_port = _start_up(
+        folder, "--kv-transport", transport, "--tensor-parallel-size", str(tp),
+        "--expert-parallel-size", str(tp), *extra)
     try:
         out = _banner(proc)
         assert "pdserve is up: 1 prefill + 1 decode node(s)" in out, out
@@ -238,7 +240,7 @@ def test_pdserve_up_serves_the_moe_models_over_http_and_grpc(tmp_path, name, tra
         gen = subprocess.run(
             [sys.executable, "-m", "launch.cli", "generate", "--router",
              f"127.0.0.1:{grpc_port}", "--max-tokens", "12", "--temperature", "0", prompt],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+            cwd=ROOT, env=_up_env(), capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert want[1] in gen.stdout, (gen.stdout, want)
         decode_log = (run_dir / "decode-0.log").read_text()
@@ -270,14 +272,8 @@ def test_pdserve_up_aggregated_with_tensor_parallel_serves_and_survives_a_lost_r
     from engine import LLM
 
     folder = tiny_model_folder(tmp_path / "models")
-    http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PDSERVE_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "up", "--aggregated", "--model", str(folder),
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--dtype",
-         "float32", "--max-num-seqs", "4", "--insecure", "--tensor-parallel-size", "2"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, http_port, _ = _start_up(folder, "--aggregated", "--insecure",
+                                   "--tensor-parallel-size", "2")
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
             "temperature": 0}
 

@@ -11,14 +11,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import signal
 import threading
 import time
 
 import pytest
-from aiohttp import ClientSession
 
 from tests.integration.router_harness import (
     LEASE_TTL,
@@ -31,6 +29,7 @@ from tests.integration.router_harness import (
     run_batch,
     scrape,
     start_cluster,
+    stream_killing_the_busy_decode,
     wait_for,
 )
 
@@ -58,37 +57,12 @@ def test_decode_node_killed_mid_stream_replays_without_loss(cluster, llm):
     want_tokens, want_text, want_finish = reference(llm, Req("http", prompt, 480))
     # 480 tokens after a 7-token prompt (the model allows 512), the kill after the first
     # 3 arrive: the decode node is still generating when it dies, even on a loaded machine
-    killed: list[str] = []
+    def kill(node) -> None:
+        node.signal(signal.SIGKILL)
+        node.wait(10)
 
-    async def body():
-        tokens, text, finish = [], "", None
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 480, "temperature": 0,
-                "stream": True, "return_token_ids": True}
-        async with ClientSession() as http, \
-                http.post(cluster.http_url + "/v1/completions", json=body) as resp:
-            assert resp.reason == "OK"
-            async for line in resp.content:
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                choice = event["choices"][0]
-                tokens += choice["token_ids"]
-                text += choice["text"]
-                finish = choice["finish_reason"] or finish
-                if len(tokens) >= 3 and not killed:
-                    busy = [n for n, v in (await asyncio.to_thread(
-                        router_inflight, cluster.http_url)).items()
-                        if n.startswith("decode") and v > 0]
-                    assert len(busy) == 1, busy
-                    node = next(c for c in cluster.nodes if c.name == busy[0])
-                    node.signal(signal.SIGKILL)
-                    node.wait(10)
-                    killed.append(busy[0])
-        return tokens, text, finish
-
-    tokens, text, finish = asyncio.run(body())
+    tokens, text, finish, killed = asyncio.run(
+        stream_killing_the_busy_decode(cluster, MODEL, prompt, 480, kill))
     assert killed, "the request finished before a node could be killed"
     assert len(tokens) == len(want_tokens) == 480
     assert tokens == want_tokens and text == want_text and finish == want_finish

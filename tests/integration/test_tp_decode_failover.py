@@ -9,23 +9,21 @@ within the tolerance of tests/engine/test_tensor_parallel.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
 from pathlib import Path
 
 import pytest
-from aiohttp import ClientSession
 
 from engine import SamplingParams
 from tests.engine.test_tensor_parallel import _exact_prefix
 from tests.integration.router_harness import (
     MODEL,
     metric_values,
-    router_inflight,
     scrape,
     start_cluster,
+    stream_killing_the_busy_decode,
 )
 
 pytestmark = pytest.mark.timeout(400)
@@ -55,34 +53,12 @@ def test_a_decode_nodes_lost_rank_mid_stream_is_replayed_without_loss(cluster, l
                         SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
                                        logprobs=2))[0].outputs[0]
     exact = _exact_prefix(want)
-    killed: list[str] = []
+    def kill(node) -> None:
+        os.kill(_rank_of(node.proc.pid), signal.SIGKILL)
+        assert node.proc.wait(60) == 70      # the node exits for its rank
 
-    async def body():
-        tokens = []
-        req = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
-               "stream": True, "return_token_ids": True}
-        async with ClientSession() as http, \
-                http.post(cluster.http_url + "/v1/completions", json=req) as resp:
-            assert resp.reason == "OK"
-            async for line in resp.content:
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                tokens += event["choices"][0]["token_ids"]
-                if len(tokens) >= 3 and not killed:
-                    busy = [n for n, v in (await asyncio.to_thread(
-                        router_inflight, cluster.http_url)).items()
-                        if n.startswith("decode") and v > 0]
-                    assert len(busy) == 1, busy
-                    node = next(c for c in cluster.nodes if c.name == busy[0])
-                    os.kill(_rank_of(node.proc.pid), signal.SIGKILL)
-                    assert node.proc.wait(60) == 70      # the node exits for its rank
-                    killed.append(busy[0])
-        return tokens
-
-    tokens = asyncio.run(body())
+    tokens, _, _, killed = asyncio.run(
+        stream_killing_the_busy_decode(cluster, MODEL, prompt, MAX_NEW, kill))
     assert killed, "the request finished before a rank could be killed"
     assert len(tokens) == MAX_NEW
     assert tokens[:exact] == want.token_ids[:exact]
