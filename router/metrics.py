@@ -123,7 +123,8 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_router_generation_tokens",
                                          "Tokens generated", registry=r)
         self.replays = Counter("pdserve_router_replays",
-                               "Requests replayed on another node pair after a node failure",
+                               "Requests replayed on another node pair after a node failure "
+                               "(or a node refusing mid-stream)",
                                registry=r)
         # set to the admission queue's depth by the backend (read at scrape time)
         self.queued = Gauge("pdserve_router_queued_requests",

@@ -190,6 +190,7 @@ class PdBackend:
                 else:
                     run = self._attempt(pre, dec, rid, prompt, params, request.params,
                                         first_attempt=not streamed, on_reserved=reserved)
+                failed = False
                 try:
                     async with contextlib.aclosing(run) as steps:
                         async for step in steps:
@@ -202,6 +203,7 @@ class PdBackend:
                     node = pre if pre is not None and f.node_id == pre.node_id else dec
                     await self._node_failed(node, str(f), rid)
                     last_cause = None        # a dead node is not the request's doing
+                    failed = True
                     self.metrics.replays.inc()
                     self.metrics.attempt_failures.labels(node.role, "node_down").inc()
                 except TryOther as t:
@@ -234,6 +236,8 @@ class PdBackend:
                 if streamed:
                     log.info("[%s] replaying with %d streamed tokens on another unit", rid,
                              len(streamed))
+                    if not failed:      # a node refusing mid-stream (one going away) too
+                        self.metrics.replays.inc()
         finally:
             if turn is not None:
                 turn.leave()

@@ -24,14 +24,15 @@ def model_next(tokens: list[int]) -> int:
 
 
 async def scripted_tokens(request, context, die_after: int | None = None,
-                          hang_after: int | None = None):
+                          hang_after: int | None = None,
+                          die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
     """The scripted model's tokens for `request` as DecodeEvents, one every 10 ms;
-    `die_after=i` aborts with UNAVAILABLE before token i, `hang_after=i` goes silent."""
+    `die_after=i` aborts with `die_code` before token i, `hang_after=i` goes silent."""
     tokens = list(request.prompt_token_ids)
     max_tokens = request.sampling.max_tokens
     for i in range(max_tokens):
         if die_after is not None and i == die_after:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "node going away")
+            await context.abort(die_code, "node going away")
         if hang_after is not None and i == hang_after:
             await asyncio.sleep(3600)          # a hung process: alive, silent
         tokens.append(model_next(tokens))
@@ -59,11 +60,13 @@ class Shared:
 class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, shared: Shared, die_after: int | None = None, full: bool = False,
                  hang_after: int | None = None, capacity: int | None = None,
-                 refuse_push: bool = False):
+                 refuse_push: bool = False,
+                 die_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
         """refuse_push: every push is refused as incomplete (as a decode node says it,
         naming the request and a block id that differs per attempt)."""
         self.shared, self.die_after, self.full = shared, die_after, full
         self.refuse_push = refuse_push
+        self.die_code = die_code
         self.hang_after = hang_after
         self.capacity, self.active, self.admitted = capacity, 0, []
         self.draining = False
@@ -100,7 +103,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
                 await RpcFailure(grpc.StatusCode.ABORTED, "prefill failed: see the prefill",
                                  PREFILL).abort(context)
             async for event in scripted_tokens(request, context, self.die_after,
-                                               self.hang_after):
+                                               self.hang_after, self.die_code):
                 yield event
         except asyncio.CancelledError:
             self.shared.cancelled.append(request.request_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.tokenizer import Tokenizer
@@ -48,6 +49,26 @@ def test_a_decode_node_dying_mid_stream_counts_a_decode_node_down_and_a_replay()
     tokens, metrics = _run(main())
     assert tokens == _expected(PROMPT, 8)
     assert failures(metrics) == {("decode", "node_down"): 1.0}
+    assert samples(metrics)[("pdserve_router_replays_total", ())] == 1.0
+
+
+def test_a_decode_node_aborting_mid_stream_counts_a_replay():
+    """A decode node that aborts its requests as it goes (ABORTED: a lost tensor-parallel
+    rank) is refused, not dropped, but the request is still replayed with its streamed
+    tokens on another node: that is a replay too."""
+    async def main():
+        shared = Shared()
+        _, backend, servers = await _cluster(
+            shared, [{"die_after": 3, "die_code": grpc.StatusCode.ABORTED}, {}], [{}, {}])
+        tokens, _ = await _collect(backend, "r1a", PROMPT, 8)
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return tokens, backend.metrics
+
+    tokens, metrics = _run(main())
+    assert tokens == _expected(PROMPT, 8)
+    assert failures(metrics) == {("decode", "aborted"): 1.0}
     assert samples(metrics)[("pdserve_router_replays_total", ())] == 1.0
 
 
