@@ -35,3 +35,15 @@ requires_avx512_bf16 = pytest.mark.skipif(
     not has_avx512_bf16(),
     reason="this CPU has no AVX512-BF16, so the kernel never runs here (its availability "
            "is checked by tests/engine/test_cpu_features.py)")
+
+
+def has_avx512_core() -> bool:
+    """AVX512 F, BW, VL and DQ: where oneDNN's bf16 brgemm micro-kernel runs (with AMX
+    tiles or AVX512-BF16 dot products where present, emulated bf16 otherwise)."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+
+
+requires_avx512_core = pytest.mark.skipif(
+    not has_avx512_core(),
+    reason="this CPU has no AVX512 (F/BW/VL/DQ), so the brgemm kernel never runs here (its "
+           "availability is checked by tests/engine/test_cpu_features.py)")

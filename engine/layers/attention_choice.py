@@ -1,12 +1,13 @@
-"""bf16 prefill attention on CPU: the tile kernel, the decode kernel row by row, or SDPA,
-chosen by measurement on the machine that runs.
+"""bf16 prefill attention on CPU: the tile kernel, the brgemm kernel, the decode kernel row
+by row, or SDPA, chosen by measurement on the machine that runs.
 
 The tile kernel (engine/layers/cpu_prefill_attention.py) was written on an AVX512-BF16
 EPYC, where it beat both others. On a Xeon with AMX, torch's SDPA (its flash attention
 takes the AMX tiles through oneDNN's brgemm) was faster at every length measured: 0.88
 against 1.00 ms for 8 prompts of 128 tokens, 2.56 against 10.40 ms for one of 1,024, 1.16
 against 2.74 ms for a 256-token chunk after 768 cached (SmolLM2's 9 query and 3 KV heads,
-head_dim 64, 2 threads). So when the KV cache is made (its block size is known then) the
+head_dim 64, 2 threads); the brgemm kernel (oneDNN's micro-kernel called directly, one GEMM
+per 64 rows x G heads and 128 keys) beat SDPA there in turn by 1.2-1.6x. So when the KV cache is made (its block size is known then) the
 engine times each path that runs here on one prefill batch of the model's attention shape
 and keeps the fastest for the machine (engine/layers/kernel_choice.py: every process and
 node of a cluster takes the same path, whose bf16 bits differ):
@@ -16,7 +17,7 @@ node of a cluster takes the same path, whose bf16 bits differ):
 - float32 is not measured: its prefill always takes SDPA, whose rounding is HF's; nor is
   batch-invariant mode, whose prefill rows take the decode kernel for its bits.
 
-PDSERVE_CPU_PREFILL_ATTENTION=tiles|rows|sdpa forces a path (engine/layers/kernel_options).
+PDSERVE_CPU_PREFILL_ATTENTION=tiles|brgemm|rows|sdpa forces a path (engine/layers/kernel_options).
 """
 
 from __future__ import annotations

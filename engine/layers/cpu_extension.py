@@ -64,6 +64,7 @@ LIBRARY = "pdserve_cpu.so"
 SOURCES = {
     "paged_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "prefill_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
+    "prefill_attention_brgemm.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "latent_attention.cpp": ["-fno-math-errno"],
     "fused_ops.cpp": ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "bf16_gemm.cpp": ["-fno-math-errno"],

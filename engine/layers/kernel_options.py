@@ -19,12 +19,13 @@ Environment switches (read only by `from_env`):
     PDSERVE_CPU_DECODE_LAYERS=0      decode steps through the Python layers, not one C++
                                      call over all of them
     PDSERVE_CPU_PREFILL_TILES=0      bf16 prefill rows through the decode kernel one row at
-                                     a time, not the tiled prefill kernel
+                                     a time, not the tile or brgemm prefill kernels
     PDSERVE_CPU_PREFILL_ATTENTION=   bf16 prefill attention: measure (default: the fastest
-        measure|tiles|rows|sdpa      of the paths below that run here, timed once a machine
-                                     when the KV cache is made: engine/layers/
+        measure|tiles|brgemm|rows|sdpa of the paths below that run here, timed once a
+                                     machine when the KV cache is made: engine/layers/
                                      attention_choice.py), or force the tile kernel, the
-                                     decode kernel row by row, or torch's SDPA
+                                     brgemm kernel (AMX where present), the decode kernel
+                                     row by row, or torch's SDPA
     PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
                                      GEMM of engine/layers/cpu_bf16_gemm.py (default: each
                                      shape and row bucket takes the faster of the two,
@@ -51,7 +52,7 @@ DECODE_LAYERS_ENV = "PDSERVE_CPU_DECODE_LAYERS"
 PREFILL_TILES_ENV = "PDSERVE_CPU_PREFILL_TILES"
 BF16_GEMM_ENV = "PDSERVE_CPU_BF16_GEMM"
 PREFILL_ATTENTION_ENV = "PDSERVE_CPU_PREFILL_ATTENTION"
-PREFILL_ATTENTION_PATHS = ("tiles", "rows", "sdpa")
+PREFILL_ATTENTION_PATHS = ("tiles", "brgemm", "rows", "sdpa")
 BATCH_INVARIANT_LINEAR_ENV = "PDSERVE_BATCH_INVARIANT_LINEAR"
 MLA_ABSORBED_DECODE_ENV = "PDSERVE_MLA_ABSORBED_DECODE"
 

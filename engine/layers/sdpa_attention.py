@@ -176,12 +176,16 @@ class SdpaAttention:
     def prefill_paths(self, dtype: torch.dtype, device: torch.device, head_dim: int,
                       groups: int, block_size: int) -> list[str]:
         """The prefill paths that run here for caches of this shape, default first: the
-        tile kernel, the decode kernel row by row (bf16 only: float32 keeps SDPA, whose
-        rounding is HF's), SDPA. A forced path that cannot run falls back to SDPA."""
+        tile kernel, the brgemm kernel, the decode kernel row by row (bf16 only: float32
+        keeps SDPA, whose rounding is HF's), SDPA. A forced path that cannot run falls
+        back to SDPA."""
         paths = []
         if device.type == "cpu" and self.prefill_tiles and cpu_prefill_attention.usable(
                 dtype, head_dim, groups, block_size):
             paths.append("tiles")
+        if device.type == "cpu" and self.prefill_tiles and cpu_prefill_attention.brgemm_usable(
+                dtype, head_dim, groups):
+            paths.append("brgemm")
         if device.type == "cpu" and self.use_cpu_kernel and \
                 cpu_paged_attention.fast_bf16_rows(dtype, head_dim, groups):
             paths.append("rows")
@@ -194,8 +198,8 @@ class SdpaAttention:
         paths = self.prefill_paths(k_cache.dtype, k_cache.device, k_cache.shape[3],
                                    q.shape[1] // k_cache.shape[0], k_cache.shape[2])
         path = self.prefill_path if self.prefill_path in paths else paths[0]
-        if path == "tiles":
-            return self._prefill_tiles(q, k_cache, v_cache, plan, out)
+        if path in ("tiles", "brgemm"):
+            return self._prefill_tiles(q, k_cache, v_cache, plan, out, path)
         if path == "rows":
             return self._prefill_rowwise(q, k_cache, v_cache, plan, out)
         hk, _, bs, d = k_cache.shape
@@ -223,9 +227,10 @@ class SdpaAttention:
             out[tok:tok + n] = o[0].transpose(0, 1)
             tok += n
 
-    def _prefill_tiles(self, q, k_cache, v_cache, plan: AttentionPlan, out) -> None:
-        """Prefill rows through engine/layers/cpu_prefill_attention.py (their K/V are in
-        the cache already): tiles of rows of one sequence share every K and V load."""
+    def _prefill_tiles(self, q, k_cache, v_cache, plan: AttentionPlan, out, path: str) -> None:
+        """Prefill rows through engine/layers/cpu_prefill_attention.py's tile or brgemm
+        kernel (their K/V are in the cache already): tiles of rows of one sequence share
+        every K and V load."""
         meta = plan.meta
         first, tok0 = meta.num_decodes, meta.num_decode_tokens
         if plan.prefill_tiles is None:       # once per forward, not once per layer
@@ -239,8 +244,10 @@ class SdpaAttention:
                 torch.tensor([meta.context_lens_host[i] for i in seqs], dtype=torch.int32))
         tables, starts, ctx = plan.prefill_tiles
         n = int(starts[-1])
-        out[tok0:tok0 + n] = cpu_prefill_attention.prefill_attention(
-            q[tok0:tok0 + n], k_cache, v_cache, tables, starts, ctx, self.scale)
+        kernel = (cpu_prefill_attention.prefill_attention if path == "tiles"
+                  else cpu_prefill_attention.prefill_attention_brgemm)
+        out[tok0:tok0 + n] = kernel(q[tok0:tok0 + n], k_cache, v_cache, tables, starts, ctx,
+                                    self.scale)
 
     def _prefill_rowwise(self, q, k_cache, v_cache, plan: AttentionPlan, out) -> None:
         """Prefill rows through the paged kernel: each new token is a decode row of KV

@@ -37,16 +37,17 @@ def _timed_by(backend: SdpaAttention, seconds: dict[str, float], seen: list[str]
 
 
 @requires_avx512_bf16
-@pytest.mark.parametrize("fastest", ["tiles", "rows", "sdpa"])
+@pytest.mark.parametrize("fastest", ["tiles", "brgemm", "rows", "sdpa"])
 def test_the_fastest_path_is_taken_and_kept_for_the_machine(fastest, choices, monkeypatch):
     backend = SdpaAttention(D ** -0.5)
     assert backend.prefill_paths(torch.bfloat16, CPU, D, HQ // HK, BS) == \
-        ["tiles", "rows", "sdpa"]
-    seconds = {"tiles": 2.0, "rows": 3.0, "sdpa": 4.0, fastest: 1.0}
+        ["tiles", "brgemm", "rows", "sdpa"]
+    seconds = {"tiles": 2.0, "brgemm": 2.5, "rows": 3.0, "sdpa": 4.0, fastest: 1.0}
     seen: list[str] = []
     monkeypatch.setattr(kernel_select, "best_of", _timed_by(backend, seconds, seen))
     assert attention_choice.choose(backend, HQ, HK, D, BS, torch.bfloat16, CPU) == fastest
-    assert backend.prefill_path == fastest and sorted(seen) == ["rows", "sdpa", "tiles"]
+    assert backend.prefill_path == fastest
+    assert sorted(seen) == ["brgemm", "rows", "sdpa", "tiles"]
     other = SdpaAttention(D ** -0.5)       # a second engine: the kept choice, not a timing
     seen.clear()
     assert attention_choice.choose(other, HQ, HK, D, BS, torch.bfloat16, CPU) == fastest
@@ -59,15 +60,20 @@ def test_a_path_that_fails_is_skipped_with_a_warning(choices, monkeypatch, caplo
     backend = SdpaAttention(D ** -0.5)
     seen: list[str] = []
     monkeypatch.setattr(kernel_select, "best_of", _timed_by(
-        backend, {"tiles": 1.0, "rows": 3.0, "sdpa": 2.0}, seen))
+        backend, {"tiles": 1.0, "brgemm": 1.5, "rows": 3.0, "sdpa": 2.0}, seen))
 
     def broken(*args, **kwargs):
         raise RuntimeError("the tile kernel crashed")
+
+    def broken_brgemm(*args, **kwargs):
+        raise RuntimeError("the brgemm micro-kernel crashed")
     monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", broken)
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention_brgemm", broken_brgemm)
     with caplog.at_level(logging.WARNING, logger="engine.layers.kernel_select"):
         assert attention_choice.choose(backend, HQ, HK, D, BS, torch.bfloat16, CPU) == "sdpa"
-    assert any("tiles" in r.getMessage() and "crashed" in r.getMessage()
-               for r in caplog.records)
+    for path in ("tiles", "brgemm"):
+        assert any(path in r.getMessage() and "crashed" in r.getMessage()
+                   for r in caplog.records), path
 
 
 def test_float32_and_a_forced_path_are_not_measured(choices, monkeypatch):
@@ -96,7 +102,7 @@ def test_the_environment_forces_a_path_or_names_a_bad_one():
 def test_every_path_computes_the_attention():
     """Each candidate on the timed batch (a fresh prompt and a chunk after cached tokens)
     against float32 causal attention: bf16 inputs, so within bf16's rounding of the
-    output (2^-8 relative) plus the bf16 probabilities of the tile kernel."""
+    output (2^-8 relative) plus the bf16 probabilities of the tile and brgemm kernels."""
     meta, blocks = attention_choice.timed_batch(BS)
     gen = torch.Generator().manual_seed(1)
     t = sum(n for n, _ in attention_choice.TIMED_ROWS)
@@ -118,7 +124,7 @@ def test_every_path_computes_the_attention():
         v_new.append(v_all[i][ctx:])
         tok += n
     want = torch.cat(want)
-    for path in ("tiles", "rows", "sdpa"):
+    for path in ("tiles", "brgemm", "rows", "sdpa"):
         backend = SdpaAttention(D ** -0.5, replace(DEFAULT_KERNELS, cpu_prefill_attention=path))
         kc = torch.zeros(HK, blocks, BS, D, dtype=torch.bfloat16)
         vc = torch.zeros_like(kc)

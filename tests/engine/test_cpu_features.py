@@ -1,5 +1,5 @@
-"""On every CPU kind: the kernels that need AVX512-BF16 are available exactly where the CPU
-has it (a g++ that can build them is part of `make test`'s setup), and where it is missing
+"""On every CPU kind: the kernels that need AVX512-BF16 (or AVX512 for the brgemm prefill
+kernel) are available exactly where the CPU has it (a g++ that can build them is part of `make test`'s setup), and where it is missing
 the model's layers take the other path."""
 
 from __future__ import annotations
@@ -7,10 +7,13 @@ from __future__ import annotations
 import torch
 
 from engine.layers import cpu_bf16_gemm, cpu_prefill_attention
-from tests.cpu_features import has_avx512_bf16
+from tests.cpu_features import has_avx512_bf16, has_avx512_core
 
 
 def test_kernels_are_available_exactly_where_the_cpu_has_the_isa():
     assert cpu_bf16_gemm.available() == has_avx512_bf16(), cpu_bf16_gemm.EXTENSION.failed
     assert cpu_prefill_attention.usable(torch.bfloat16, 64, 1, 16) == has_avx512_bf16(), \
+        cpu_prefill_attention.EXTENSION.failed
+    # oneDNN's bf16 micro-kernel runs from AVX512 up (and passed its self-test here)
+    assert cpu_prefill_attention.brgemm_usable(torch.bfloat16, 64, 3) == has_avx512_core(), \
         cpu_prefill_attention.EXTENSION.failed

@@ -1,23 +1,31 @@
-"""The tiled bf16 prefill attention kernel (engine/layers/cpu_prefill_attention.py) against
-an explicit float32 reference: 1-4 query heads a KV head, blocks of 16 and 32 keys,
-cached prefixes and prompts that leave partial tiles and chunks, q read in place from
-wider rows, NaN in every cache slot no row may read; and a row's bits do not depend on
-how its prompt was chunked."""
+"""The two bf16 prefill attention kernels of engine/layers/cpu_prefill_attention.py (the
+tile kernel and the brgemm kernel) against an explicit float32 reference: 1-4 query heads
+a KV head, blocks of 16 and 32 keys, cached prefixes and prompts that leave partial tiles
+and chunks, q read in place from wider rows, NaN in every cache slot no row may read; a
+row's bits do not depend on how its prompt was chunked; and, for the brgemm kernel, the
+same over random lengths across its 128-key blocks and 64-row tiles (Hypothesis)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from engine.layers import cpu_prefill_attention
-from tests.cpu_features import requires_avx512_bf16
+from tests.cpu_features import requires_avx512_bf16, requires_avx512_core
 
 D = 64
 
-
-# the kernel needs AVX512-BF16 (available exactly where the CPU has it:
-# tests/engine/test_cpu_features.py)
-pytestmark = requires_avx512_bf16
+# the tile kernel needs AVX512-BF16, the brgemm kernel AVX512 (each available exactly where
+# the CPU has it: tests/engine/test_cpu_features.py)
+KERNELS = [
+    pytest.param(cpu_prefill_attention.prefill_attention, id="tiles",
+                 marks=requires_avx512_bf16),
+    pytest.param(cpu_prefill_attention.prefill_attention_brgemm, id="brgemm",
+                 marks=requires_avx512_core),
+]
 
 
 def _case(seed, ctx, new, hq, hk, bs, width=8):
@@ -58,13 +66,14 @@ def _reference(q, kc, vc, tables, starts, ctx, scale):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_matches_a_float32_reference(groups, bs):
+def test_matches_a_float32_reference(kernel, groups, bs):
     hk = 2
     q, kc, vc, tables, starts, ctx = _case(groups * bs, [0, 5, 16, 40], [1, 23, 8, 70],
                                            hk * groups, hk, bs)
-    got = cpu_prefill_attention.prefill_attention(q, kc, vc, tables, starts, ctx, 0.125)
+    got = kernel(q, kc, vc, tables, starts, ctx, 0.125)
     ref = _reference(q, kc, vc, tables, starts, ctx, 0.125)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     assert torch.isfinite(got.float()).all()          # no NaN slot was read
@@ -72,22 +81,45 @@ def test_matches_a_float32_reference(groups, bs):
     torch.testing.assert_close(got.float(), ref, rtol=1.6e-2, atol=8e-3)
 
 
-def test_a_rows_bits_do_not_depend_on_the_chunking():
-    """A 61-token prompt in one call, and as 13 + 48 rows (the second call after 13
-    cached keys), and inside a batch with another prompt: the same bits for every row."""
-    q, kc, vc, tables, starts, ctx = _case(5, [0, 7], [61, 30], 6, 2, 16)
-    whole = cpu_prefill_attention.prefill_attention(q, kc, vc, tables, starts, ctx, 0.125)
-    alone = cpu_prefill_attention.prefill_attention(
-        q[:61], kc, vc, tables[:1], torch.tensor([0, 61]), ctx[:1], 0.125)
-    head = cpu_prefill_attention.prefill_attention(
-        q[:13], kc, vc, tables[:1], torch.tensor([0, 13]), ctx[:1], 0.125)
-    tail = cpu_prefill_attention.prefill_attention(
-        q[13:61], kc, vc, tables[:1], torch.tensor([0, 48]),
-        torch.tensor([13], dtype=torch.int32), 0.125)
-    assert torch.equal(whole[:61], alone)
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("new,cut", [(61, 13), (300, 131)])
+def test_a_rows_bits_do_not_depend_on_the_chunking(kernel, new, cut):
+    """A prompt in one call, and as two chunks (the second call after `cut` cached keys),
+    and inside a batch with another prompt: the same bits for every row. 300 rows cross
+    the brgemm kernel's 64-row tiles and 128-key blocks at other places in each call."""
+    width = -(-(new + 7) // 16)
+    q, kc, vc, tables, starts, ctx = _case(5, [0, 7], [new, 30], 6, 2, 16, width)
+    whole = kernel(q, kc, vc, tables, starts, ctx, 0.125)
+    alone = kernel(q[:new], kc, vc, tables[:1], torch.tensor([0, new]), ctx[:1], 0.125)
+    head = kernel(q[:cut], kc, vc, tables[:1], torch.tensor([0, cut]), ctx[:1], 0.125)
+    tail = kernel(q[cut:new], kc, vc, tables[:1], torch.tensor([0, new - cut]),
+                  torch.tensor([cut], dtype=torch.int32), 0.125)
+    assert torch.equal(whole[:new], alone)
     assert torch.equal(alone, torch.cat([head, tail]))
 
 
+@requires_avx512_core
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_brgemm_kernel_matches_the_reference_on_random_lengths(data):
+    """Any mix of cached prefixes and new rows (across 128-key blocks and 64-row tiles),
+    1-4 query heads a KV head, any block size: within bf16 rounding of the reference, and
+    never a NaN from a slot no row may read."""
+    groups = data.draw(st.integers(1, 4), "groups")
+    bs = data.draw(st.sampled_from([8, 16, 48]), "block size")
+    n_seqs = data.draw(st.integers(1, 3), "sequences")
+    ctx = data.draw(st.lists(st.integers(0, 200), min_size=n_seqs, max_size=n_seqs), "ctx")
+    new = data.draw(st.lists(st.integers(1, 170), min_size=n_seqs, max_size=n_seqs), "new")
+    width = max(-(-(c + n) // bs) for c, n in zip(ctx, new, strict=True))
+    q, kc, vc, tables, starts, cx = _case(data.draw(st.integers(0, 2**16), "seed"), ctx, new,
+                                          groups, 1, bs, width)
+    got = cpu_prefill_attention.prefill_attention_brgemm(q, kc, vc, tables, starts, cx, 0.125)
+    ref = _reference(q, kc, vc, tables, starts, cx, 0.125)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), ref, rtol=1.6e-2, atol=8e-3)
+
+
+@requires_avx512_bf16
 def test_refuses_what_it_cannot_serve():
     q, kc, vc, tables, starts, ctx = _case(1, [0], [4], 2, 2, 16)
     with pytest.raises(RuntimeError, match="block table"):
@@ -97,3 +129,17 @@ def test_refuses_what_it_cannot_serve():
         cpu_prefill_attention.prefill_attention(q.float(), kc, vc, tables, starts, ctx, 0.1)
     assert not cpu_prefill_attention.usable(torch.bfloat16, D, 1, 8)
     assert not cpu_prefill_attention.usable(torch.float32, D, 1, 16)
+    assert not cpu_prefill_attention.brgemm_usable(torch.float32, D, 3)
+    assert not cpu_prefill_attention.brgemm_usable(torch.bfloat16, 128, 3)
+    assert not cpu_prefill_attention.brgemm_usable(torch.bfloat16, D, 5)
+
+
+@requires_avx512_core
+def test_brgemm_kernel_refuses_what_it_cannot_serve():
+    q, kc, vc, tables, starts, ctx = _case(1, [0], [4], 2, 2, 16)
+    with pytest.raises(RuntimeError, match="block table"):
+        cpu_prefill_attention.prefill_attention_brgemm(
+            q, kc, vc, tables, starts, torch.tensor([126], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_prefill_attention.prefill_attention_brgemm(q.float(), kc, vc, tables, starts, ctx,
+                                                       0.1)

@@ -22,6 +22,12 @@ TORCH_LIBRARY(pdserve, m) {
       TORCH_FN(pdserve::prefill_attention));
   m.def("prefill_attention_available() -> bool", TORCH_FN(pdserve::prefill_attention_available));
   m.def(
+      "prefill_attention_brgemm(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor query_start, Tensor context, float scale) -> Tensor",
+      TORCH_FN(pdserve::prefill_attention_brgemm));
+  m.def("prefill_attention_brgemm_available() -> bool",
+        TORCH_FN(pdserve::prefill_attention_brgemm_available));
+  m.def(
       "rope_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, "
       "int head_dim) -> ()",
       TORCH_FN(pdserve::rope_));

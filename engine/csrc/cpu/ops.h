@@ -28,6 +28,12 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Ten
                              at::Tensor qstart, at::Tensor context, double scale);
 bool prefill_attention_available();
 
+// prefill_attention_brgemm.cpp: the same rows on oneDNN's bf16 brgemm micro-kernel (AMX
+// tiles where present); whether the micro-kernel passed its self-test here
+at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
+                                    at::Tensor qstart, at::Tensor context, double scale);
+bool prefill_attention_brgemm_available();
+
 // fused_ops.cpp: rotary in place, K/V cache writes, residual add + RMSNorm, argmax rows
 void rope_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t heads,
            int64_t D);
