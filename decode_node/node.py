@@ -30,13 +30,15 @@ class DecodeNode:
                  kv_tcp_listen: str | None = None, max_lease_s: float | None = None,
                  kv_tcp_limits: TcpLimits | None = None, tls: TlsConfig | None = None,
                  max_grpc_pushes: int | None = None, role: str = "decode",
-                 core_share: CoreShare | None = None):
+                 core_share: CoreShare | None = None, kv_local_socket: bool = True):
         """lease_s: the default reservation lease; max_lease_s: the longest a caller may
         ask for (default lease_s: `--lease-s` is the ceiling too). kv_tcp_limits: the raw-TCP
         data plane's connection cap and timeouts. tls: the data plane speaks mutual TLS
         (the gRPC server's TLS is GrpcNodeServer's). max_grpc_pushes: PushKv streams served
         at once (None: default_max_grpc_pushes of the engine's max_num_seqs). role:
-        "decode", or "aggregated" (prefills by itself; no KV data plane needed). core_share:
+        "decode", or "aggregated" (prefills by itself; no KV data plane needed).
+        kv_local_socket: the data plane also listens on a Unix socket for prefill nodes on
+        this host (cluster/kv_transfer/local_socket.py). core_share:
         the turn on cores shared with other nodes (cluster/core_share.py)."""
         self.engine = LLMEngine(config)
         self.fingerprint = engine_fingerprint(self.engine)
@@ -57,6 +59,7 @@ class DecodeNode:
         self.kv_tcp_listen = kv_tcp_listen      # HOST:PORT of the raw-TCP data plane
         self.kv_tcp_limits = kv_tcp_limits or TcpLimits()
         self.tls = tls
+        self.kv_local_socket = kv_local_socket
         self.kv_tcp = None
 
     def start(self, advertise_host: str | None = None) -> None:
@@ -67,9 +70,11 @@ class DecodeNode:
             from cluster.kv_transfer.tcp_server import TcpKvServer
             host, _, port = self.kv_tcp_listen.rpartition(":")
             self.kv_tcp = TcpKvServer(self.service.push_handler, host.strip("[]"), int(port),
-                                      limits=self.kv_tcp_limits, tls=self.tls)
+                                      limits=self.kv_tcp_limits, tls=self.tls,
+                                      local=self.kv_local_socket)
             self.kv_tcp.start()
             self.service.kv_tcp_address = self.kv_tcp.address(advertise_host)
+            self.service.kv_local_socket = self.kv_tcp.local_path
 
     def begin_drain(self) -> None:
         self.service.begin_drain()

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 import grpc
 
 from cluster import tracing
+from cluster.kv_transfer import local_socket
 from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.kv_receiver import (
     CapacityError,
@@ -93,6 +94,7 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         self.role = role
         self.metrics = metrics
         self.kv_tcp_address = ""          # the raw-TCP KV data plane, when it runs
+        self.kv_local_socket = ""         # ... and its Unix socket for this host's nodes
         self.push_handler = PushHandler(receiver, fingerprint)
         receiver.on_release = self._on_release
         self.max_grpc_pushes = max_grpc_pushes
@@ -263,7 +265,9 @@ class DecodeService(node_pb2_grpc.DecodeNodeServicer):
         return node_pb2.NodeInfo(node_id=self.node_id, role=self.role, model_id=self.model_id,
                                  max_model_len=self.engine.max_model_len,
                                  fingerprint=fingerprint_to_proto(self.fingerprint),
-                                 kv_tcp_address=self.kv_tcp_address)
+                                 kv_tcp_address=self.kv_tcp_address,
+                                 kv_local_socket=self.kv_local_socket,
+                                 host_id=local_socket.host_id() if self.kv_local_socket else "")
 
 
 def _role_refusal(role: str) -> str:

@@ -58,7 +58,8 @@ def build_node(role: str, args: argparse.Namespace, node_id: str):
             return DecodeNode(config, node_id=node_id, lease_s=args.lease_s, kv_tcp_listen=tcp,
                               max_lease_s=args.max_lease_s, kv_tcp_limits=limits, tls=tls,
                               max_grpc_pushes=args.max_grpc_pushes or None,
-                              core_share=core_share)
+                              core_share=core_share,
+                              kv_local_socket=args.kv_local_socket != "off")
         from cluster.kv_transfer.grpc_transport import GrpcTransport
         from prefill_node.node import PrefillNode
         transport = GrpcTransport(tls=tls)

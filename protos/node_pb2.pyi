@@ -244,17 +244,21 @@ class NodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "model_id", "max_model_len", "fingerprint", "kv_tcp_address")
+    __slots__ = ("node_id", "role", "model_id", "max_model_len", "fingerprint", "kv_tcp_address", "kv_local_socket", "host_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     model_id: str
     max_model_len: int
     fingerprint: Fingerprint
     kv_tcp_address: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., kv_tcp_address: _Optional[str] = ...) -> None: ...
+    kv_local_socket: str
+    host_id: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., kv_tcp_address: _Optional[str] = ..., kv_local_socket: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...

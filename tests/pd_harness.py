@@ -63,8 +63,9 @@ class PdPair:
         self.prefill.start()
         self.decode.start()
         if self.tcp:
+            # (TCP address, Unix socket): TCP here, the socket has tests of its own
             self.prefill.transport._data_address[DECODE_ADDRESS] = \
-                self.decode.service.kv_tcp_address
+                (self.decode.service.kv_tcp_address, "")
 
     async def stop(self) -> None:
         await self.prefill.stop()

@@ -3,6 +3,9 @@
 The first frame must be the header, with no data; nothing after it is read until the
 PushHandler has accepted it (reservation, push token, fingerprint), so a peer without a
 token never makes the node allocate or write a chunk.
+
+With `local=True` the same protocol is served on a Unix socket too, for prefill nodes on
+this host (local_socket.py): no TLS there, the kernel vouches for the peer's user instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import grpc
 from cluster.kv_transfer.base import PushFailed
 from cluster.kv_transfer.kv_receiver import PushDenied, PushRejected, UnknownReservation
 from cluster.kv_transfer.limits import TcpLimits
+from cluster.kv_transfer.local_socket import LocalListener
 from cluster.kv_transfer.receiver import WRITTEN, PushHandler
 from cluster.kv_transfer.tcp_framing import BUSY, FRAME, MAX_DATA, MAX_META, READY, REPLY
 from cluster.kv_transfer.tcp_framing import recv_exact as _recv_exact
@@ -35,8 +39,9 @@ LINGER_S = 1.0          # after an early refusal: how long to read off what the 
 class _Conn:
     """One accepted connection: the reader thread's and the event loop's shared state."""
 
-    def __init__(self, sock: socket.socket, depth: int):
+    def __init__(self, sock: socket.socket, depth: int, local: bool = False):
         self.sock = sock
+        self.local = local                            # on the Unix socket: no TLS
         self.accepted = time.monotonic()
         self.items: asyncio.Queue = asyncio.Queue()
         self.slots = threading.Semaphore(depth)       # backpressure to the sender
@@ -61,9 +66,11 @@ class TcpKvServer:
     QUEUE_DEPTH = 8
 
     def __init__(self, handler: PushHandler, host: str = "127.0.0.1", port: int = 0,
-                 limits: TcpLimits | None = None, tls: TlsConfig | None = None):
-        """tls: every connection must complete a mutual-TLS handshake with a certificate
-        of the cluster CA (within the header timeout) before anything is read."""
+                 limits: TcpLimits | None = None, tls: TlsConfig | None = None,
+                 local: bool = False):
+        """tls: every TCP connection must complete a mutual-TLS handshake with a certificate
+        of the cluster CA (within the header timeout) before anything is read. local: also
+        listen on a Unix socket for this host's prefill nodes (`local_path`)."""
         self.handler = handler
         self.limits = limits or TcpLimits()
         self.tls = tls.server_context() if tls is not None else None
@@ -83,6 +90,19 @@ class TcpKvServer:
         self.peak = 0               # most connections served at once
         self.pushes = 0             # pushes accepted and admitted over this plane
         self.untrusted = 0          # connections that failed the TLS handshake
+        self.local_pushes = 0       # of `pushes`, those that came over the Unix socket
+        self.local: LocalListener | None = None
+        if local:
+            try:
+                self.local = LocalListener(max(128, 2 * self.limits.max_connections))
+                self.local.sock.settimeout(0.5)       # so its accept loop sees a stop
+            except OSError as exc:
+                log.warning("KV data plane: no local Unix socket (%s); TCP only", exc)
+
+    @property
+    def local_path(self) -> str:
+        """The Unix socket's path, or "" when there is none."""
+        return self.local.path if self.local is not None else ""
 
     @property
     def active(self) -> int:
@@ -94,7 +114,11 @@ class TcpKvServer:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(self.sock, False), name="kv-tcp-accept",
+                         daemon=True).start()
+        if self.local is not None:
+            threading.Thread(target=self._accept, args=(self.local.sock, True),
+                             name="kv-local-accept", daemon=True).start()
 
     async def stop(self) -> None:
         self._closed = True
@@ -103,6 +127,8 @@ class TcpKvServer:
         except OSError:
             pass
         self.sock.close()
+        if self.local is not None:
+            self.local.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -115,19 +141,27 @@ class TcpKvServer:
                 pass
         self._pool.shutdown(wait=False)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket, local: bool) -> None:
         while not self._closed:
             try:
-                sock, _ = self.sock.accept()
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError as exc:
                 if self._closed:
                     return
                 log.warning("KV TCP accept failed: %s", exc)    # e.g. out of descriptors
                 time.sleep(0.05)
                 continue
+            if local and not self.local.trusted(sock):
+                self.untrusted += 1           # another user on this host: not a word
+                log.info("KV local socket: a peer of another user refused")
+                sock.close()
+                continue
+            sock.settimeout(None)             # (accepted sockets inherit the listener's)
             with self._lock:
                 full = len(self._conns) >= self.limits.max_connections
-                c = None if full else _Conn(sock, self.QUEUE_DEPTH)
+                c = None if full else _Conn(sock, self.QUEUE_DEPTH, local)
                 if c is not None:
                     self._conns.add(c)
                     self.peak = max(self.peak, len(self._conns))
@@ -135,7 +169,8 @@ class TcpKvServer:
                 self.refused += 1
                 _refuse(sock)
                 continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not local:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._pool.submit(self._run, c)
             asyncio.run_coroutine_threadsafe(self._serve(c), self._loop)
 
@@ -143,7 +178,7 @@ class TcpKvServer:
     def _run(self, c: _Conn) -> None:
         try:
             c.sock.settimeout(self.limits.header_timeout_s)
-            if self.tls is not None:
+            if self.tls is not None and not c.local:
                 self._handshake(c)
             c.sock.sendall(READY)
             self._read(c)
@@ -257,6 +292,7 @@ class TcpKvServer:
             ack = await self.handler.handle(messages())
             reply = REPLY.pack(0, ack.ByteSize()) + ack.SerializeToString()
             self.pushes += 1
+            self.local_pushes += c.local
         except PushFailed as exc:
             body = exc.message.encode()
             reply = REPLY.pack(exc.code.value[0], len(body)) + body
@@ -268,7 +304,8 @@ class TcpKvServer:
         # practice) goes from the connection's thread.
         try:
             # a TLS stream takes no flags and its writes belong to the connection's thread
-            sent = 0 if self.tls is not None else c.sock.send(reply, socket.MSG_DONTWAIT)
+            tls = self.tls is not None and not c.local
+            sent = 0 if tls else c.sock.send(reply, socket.MSG_DONTWAIT)
         except OSError:
             sent = 0
         c.reply = reply[sent:]

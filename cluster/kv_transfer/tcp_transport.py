@@ -4,6 +4,10 @@ protobuf or HTTP/2 copies. Control stays on gRPC: a prefill node learns a decode
 data address from DecodeNode.GetNodeInfo (`kv_tcp_address`), and abort notices go over
 gRPC. One connection per push.
 
+A decode node on the same host (its NodeInfo's `host_id` equals ours) is reached on its
+Unix socket instead (`kv_local_socket`, local_socket.py), without TLS; when that connect
+fails (another container's file system, say) the push takes TCP.
+
 Greeting (server, on connect): a reply with status 0 and no body = ready; any other
 status = refused (over the connection cap): the sender pushes over gRPC instead.
 Frame:  u32 meta_len | u64 data_len | meta (KvPushMessage, chunk.data left empty) | data
@@ -24,6 +28,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from cluster.kv_transfer import local_socket
 from cluster.kv_transfer.base import KvTransport, PushFailed
 from cluster.kv_transfer.grpc_transport import GrpcTransport
 from cluster.kv_transfer.tcp_framing import CODES, FRAME, REPLY
@@ -54,10 +59,14 @@ class TcpTransport(KvTransport):
         self.grpc = grpc_transport or GrpcTransport()
         tls = getattr(self.grpc, "tls", None)     # a stand-in transport may have none
         self._tls = (tls, tls.client_context()) if tls is not None else None
-        self._data_address: dict[str, str] = {}
+        self._data_address: dict[str, tuple[str, str]] = {}   # address -> (TCP, local)
         self.fallbacks = 0          # pushes sent over gRPC because the data plane said no
+        self.local_pushes = 0       # pushes that went over a decode node's Unix socket
+        self._host_id = local_socket.host_id()
 
-    async def _data_address_of(self, address: str) -> str:
+    async def _data_address_of(self, address: str) -> tuple[str, str]:
+        """The decode node's TCP data address and, when it runs on this host, its Unix
+        socket ("" for what it lacks)."""
         if isinstance(self.grpc, GrpcTransport):   # (not a test's stand-in transport)
             await self.grpc.close_idle()   # a decode node unused for long may be gone, or
             for gone in [a for a in self._data_address if not self.grpc.has_channel(a)]:
@@ -67,19 +76,31 @@ class TcpTransport(KvTransport):
                 info = await self.grpc.node_info(address)
             except grpc.aio.AioRpcError as exc:
                 raise PushFailed(exc.code(), f"decode node {address}: {exc.details()}") from None
-            self._data_address[address] = info.kv_tcp_address
+            same_host = bool(self._host_id) and info.host_id == self._host_id
+            self._data_address[address] = (info.kv_tcp_address,
+                                           info.kv_local_socket if same_host else "")
         return self._data_address[address]
 
     async def push(self, address: str, messages: AsyncIterator) -> node_pb2.PushAck:
-        data_address = await self._data_address_of(address)
-        if not data_address:
+        tcp_address, local_path = await self._data_address_of(address)
+        sock, data_address = None, tcp_address
+        if local_path:
+            try:
+                sock = await asyncio.to_thread(local_socket.connect, local_path, 10.0)
+                data_address = local_path
+            except OSError as exc:
+                log.info("decode node %s: its local KV socket %s is out of reach (%s); "
+                         "TCP from now on", address, local_path, exc)
+                self._data_address[address] = (tcp_address, "")
+        if sock is None and not tcp_address:
             return await self.grpc.push(address, _as_messages(messages))
-        host, _, port = data_address.rpartition(":")
-        try:
-            sock = await asyncio.to_thread(self._connect, host.strip("[]"), int(port))
-        except OSError as exc:
-            raise PushFailed(grpc.StatusCode.UNAVAILABLE,
-                             f"KV data plane {data_address}: {exc}") from None
+        if sock is None:
+            host, _, port = tcp_address.rpartition(":")
+            try:
+                sock = await asyncio.to_thread(self._connect, host.strip("[]"), int(port))
+            except OSError as exc:
+                raise PushFailed(grpc.StatusCode.UNAVAILABLE,
+                                 f"KV data plane {tcp_address}: {exc}") from None
         refused = await asyncio.to_thread(_greeting, sock)
         if refused:
             sock.close()
@@ -88,7 +109,10 @@ class TcpTransport(KvTransport):
                         data_address, refused)
             return await self.grpc.push(address, _as_messages(messages))
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if data_address == local_path:
+            self.local_pushes += 1
+        else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out: queue.SimpleQueue = queue.SimpleQueue()
         sent = _in_own_thread(_send_all, sock, out)
         reply = _in_own_thread(_read_reply, sock)

@@ -18,6 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  metavar="HOST:PORT",
                  help="raw-TCP KV data plane for prefill nodes using --kv-transport tcp "
                       "(auto: the listen host, any free port; none: off)")
+    env_argument(parser, "--kv-local-socket", "PDSERVE_KV_LOCAL_SOCKET", default="auto",
+                 choices=("auto", "off"),
+                 help="auto: the data plane also listens on a Unix socket, which prefill "
+                      "nodes on this host (same kernel, same user, same file system) use "
+                      "instead of TCP: no TLS on bytes that never leave the host, the "
+                      "kernel vouches for the peer's user id; off: TCP only")
     env_argument(parser, "--lease-s", "PDSERVE_RESERVATION_LEASE", default=30.0, type=float,
                  metavar="S", help="reservation lease: blocks not filled by then return to "
                                    "the pool")

@@ -49,11 +49,13 @@ def certs(tmp_path_factory):
 
 
 class Node:
-    """DecodeNode + GrpcNodeServer, both with the node's TLS; started on the running loop."""
+    """DecodeNode + GrpcNodeServer, both with the node's TLS; started on the running loop.
+    local: the data plane's Unix socket for this host's prefill nodes too (off here, where
+    the pushes must take TCP and its TLS; tests/security/test_local_kv_socket.py has it on)."""
 
-    def __init__(self, folder, tls: TlsConfig):
+    def __init__(self, folder, tls: TlsConfig, local: bool = False):
         self.node = DecodeNode(EngineConfig(model=str(folder), **OPTS),
-                               kv_tcp_listen="127.0.0.1:0", tls=tls)
+                               kv_tcp_listen="127.0.0.1:0", tls=tls, kv_local_socket=local)
         self.server = GrpcNodeServer(self.node.SERVICE, "127.0.0.1:0", tls=tls)
         self.server.add(self.node.add_to_server, self.node.service)
 
