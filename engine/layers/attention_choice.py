@@ -7,7 +7,8 @@ takes the AMX tiles through oneDNN's brgemm) was faster at every length measured
 against 1.00 ms for 8 prompts of 128 tokens, 2.56 against 10.40 ms for one of 1,024, 1.16
 against 2.74 ms for a 256-token chunk after 768 cached (SmolLM2's 9 query and 3 KV heads,
 head_dim 64, 2 threads); the brgemm kernel (oneDNN's micro-kernel called directly, one GEMM
-per 64 rows x G heads and 128 keys) beat SDPA there in turn by 1.2-1.6x. So when the KV cache is made (its block size is known then) the
+per 64 rows x G heads and 128 keys) beat SDPA there in turn by 1.2-1.6x. So when the KV
+cache is made (its block size is known then) the
 engine times each path that runs here on one prefill batch of the model's attention shape
 and keeps the fastest for the machine (engine/layers/kernel_choice.py: every process and
 node of a cluster takes the same path, whose bf16 bits differ):

@@ -1,6 +1,6 @@
 """On every CPU kind: the kernels that need AVX512-BF16 (or AVX512 for the brgemm prefill
-kernel) are available exactly where the CPU has it (a g++ that can build them is part of `make test`'s setup), and where it is missing
-the model's layers take the other path."""
+kernel) are available exactly where the CPU has it (a g++ that can build them is part of
+`make test`'s setup), and where it is missing the model's layers take the other path."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ from cluster.kv_transfer.grpc_transport import GrpcTransport, open_channel
 from cluster.kv_transfer.tcp_framing import READY, REPLY
 from cluster.kv_transfer.tcp_transport import TcpTransport
 from protos import node_pb2, node_pb2_grpc
-from tests.security.test_mtls import PROMPT, Node, _push_messages, _stream
-from tests.security.test_mtls import certs, folder  # noqa: F401 - fixtures
+from tests.security.test_mtls import PROMPT, Node, _push_messages, _stream, certs, folder  # noqa: F401 - fixtures
 
 
 async def _reserve(n: Node, channel, request_id: str = "r1"):
