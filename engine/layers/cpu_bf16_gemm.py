@@ -21,6 +21,14 @@ does: its K blocking varies with the row count); the output is rounded to bf16 o
 the end, after an optional bias, as oneDNN rounds. A fused gate/up weight is packed as
 16 gate + 16 up columns a block instead, and its kernel writes silu(gate) * up.
 
+The same packed weights have a second kernel, "brgemm" (engine/csrc/cpu/
+bf16_gemm_brgemm.cpp): each 32-column block is a VNNI matrix, so oneDNN's brgemm micro-kernel
+multiplies it as it stands, on the AMX tiles where the CPU has them (an AMX Xeon, SmolLM2's
+four layer GEMMs over 30 layers from memory: 9.4 / 10.0 / 12.0 / 20.6 ms at 1 / 16 / 32 / 64
+rows against oneDNN's matmul 15.7 / 15.8 / 18.4 / 23.9 and this kernel 10.7 / 26.1 / 45.1 /
+89.6). Which of the three a shape and row bucket takes is measured at load
+(engine/layers/linear_choice.py).
+
 Used by Linear and the MLP (engine/layers/linear.py, engine/models/decoder.py) and the
 one-call decode layers (engine/layers/cpu_decode_layers.py) when the KernelOptions'
 `cpu_bf16_gemm` is on (PDSERVE_CPU_BF16_GEMM=0 switches it off).
@@ -33,6 +41,7 @@ import torch
 from engine.layers.cpu_extension import KernelFamily
 
 BLOCK_COLS = 32             # output columns per packed block
+KERNELS = ("bf16_gemm", "brgemm")   # the kernels of the packed copy
 
 EXTENSION = KernelFamily("CPU bf16 GEMM")   # engine/csrc/cpu/bf16_gemm.cpp
 
@@ -41,6 +50,12 @@ def available() -> bool:
     """True when the extension is built here and this CPU runs it (AVX512-BF16)."""
     module = EXTENSION.load()
     return module is not None and bool(module.bf16_gemm_supported())
+
+
+def brgemm_available() -> bool:
+    """True when the brgemm kernel runs here (oneDNN's micro-kernel passed its self-test)."""
+    module = EXTENSION.load()
+    return module is not None and bool(module.bf16_gemm_brgemm_available())
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -69,14 +84,21 @@ def serves(x: torch.Tensor, packed: torch.Tensor) -> bool:
             and x.data_ptr() % 4 == 0 and x.shape[1] == 2 * packed.shape[1])
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-         ) -> torch.Tensor:
-    """x @ W^T (+ bias) in bf16 for a weight packed by `pack`."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+         kernel: str = "bf16_gemm") -> torch.Tensor:
+    """x @ W^T (+ bias) in bf16 for a weight packed by `pack`, on `kernel` (of KERNELS)."""
     empty = x.new_empty(0) if bias is None else bias
-    return EXTENSION.load().bf16_gemm(x, packed, empty)
+    mod = EXTENSION.load()
+    if kernel == "brgemm":
+        return mod.bf16_gemm_brgemm(x, packed, empty)
+    return mod.bf16_gemm(x, packed, empty)
 
 
-def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, kernel: str = "bf16_gemm"
+                  ) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) in bf16, for a weight packed by `pack_silu_mul`: the
     sums in float32 as `gemm`'s, silu and the product on them, one rounding to bf16."""
-    return EXTENSION.load().bf16_gemm_silu_mul(x, packed)
+    mod = EXTENSION.load()
+    if kernel == "brgemm":
+        return mod.bf16_gemm_brgemm_silu_mul(x, packed)
+    return mod.bf16_gemm_silu_mul(x, packed)

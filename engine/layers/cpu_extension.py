@@ -68,6 +68,7 @@ SOURCES = {
     "latent_attention.cpp": ["-fno-math-errno"],
     "fused_ops.cpp": ["-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "bf16_gemm.cpp": ["-fno-math-errno"],
+    "bf16_gemm_brgemm.cpp": ["-fno-math-errno"],
     "decode_layers.cpp": ["-fno-math-errno"],
     "fixed_order_linear.cpp": ["-ffp-contract=off"],
     "bindings.cpp": [],

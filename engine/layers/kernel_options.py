@@ -28,9 +28,11 @@ Environment switches (read only by `from_env`):
                                      row by row, or torch's SDPA
     PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
                                      GEMM of engine/layers/cpu_bf16_gemm.py (default: each
-                                     shape and row bucket takes the faster of the two,
-                                     measured at load: engine/layers/linear_choice.py;
-                                     =always: the streaming GEMM wherever it fits)
+                                     shape and row bucket takes the fastest of oneDNN and
+                                     the streaming copy's two kernels, measured at load:
+                                     engine/layers/linear_choice.py; =always: the copy's
+                                     VDPBF16PS kernel wherever it fits; =brgemm: its brgemm
+                                     kernel wherever it fits)
     PDSERVE_BATCH_INVARIANT_LINEAR=  in batch-invariant mode, force one linear kernel
         bf16_gemm|fixed_order|padded (engine/layers/batch_invariant.py); default auto: the
                                      fastest that holds on this CPU
@@ -82,8 +84,10 @@ class KernelOptions:
     # packed bf16 linears through the weight-streaming GEMM of
     # engine/layers/cpu_bf16_gemm.py (AVX512-BF16), which keeps its own packed copy
     cpu_bf16_gemm: bool = True
-    # keep its copies only where measured faster than oneDNN (off: wherever it fits)
+    # keep its copies only where measured faster than oneDNN (off: wherever it fits, on
+    # cpu_bf16_gemm_kernel, one of cpu_bf16_gemm.KERNELS)
     cpu_bf16_gemm_measure: bool = True
+    cpu_bf16_gemm_kernel: str = "bf16_gemm"
     # batch-invariant mode (EngineConfig.batch_invariant): every query row's attention,
     # prefill rows included, through the C++ paged kernel, one row at a time with a fixed
     # reduction order, so a token's result never depends on its batch, its prompt's
@@ -107,7 +111,10 @@ class KernelOptions:
                    cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0",
                    cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0",
                    cpu_prefill_attention=_prefill_attention(env.get(PREFILL_ATTENTION_ENV)),
-                   cpu_bf16_gemm_measure=env.get(BF16_GEMM_ENV, "1") != "always",
+                   cpu_bf16_gemm_measure=env.get(BF16_GEMM_ENV, "1") not in ("always",
+                                                                               "brgemm"),
+                   cpu_bf16_gemm_kernel=("brgemm" if env.get(BF16_GEMM_ENV) == "brgemm"
+                                         else "bf16_gemm"),
                    batch_invariant_linear=env.get(BATCH_INVARIANT_LINEAR_ENV, "") or "auto",
                    mla_absorbed_decode=env.get(MLA_ABSORBED_DECODE_ENV, "1") != "0")
 

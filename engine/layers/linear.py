@@ -75,10 +75,11 @@ class Linear(nn.Linear):
     # a fused gate/up projection gets its silu(gate) * up layout instead
     gemm_packed: torch.Tensor | None = None
     gemm_silu_mul_packed: torch.Tensor | None = None
-    # which row buckets take that copy, chosen by measurement at load
-    # (engine/layers/linear_choice.py): calls of up to GEMM_SMALL_ROWS rows, longer ones
-    gemm_small = True
-    gemm_large = True
+    # which kernel of that copy (cpu_bf16_gemm.KERNELS) each row bucket takes, None for
+    # oneDNN, chosen by measurement at load (engine/layers/linear_choice.py): calls of up
+    # to GEMM_SMALL_ROWS rows, longer ones
+    gemm_small: str | None = "bf16_gemm"
+    gemm_large: str | None = "bf16_gemm"
     # float32 on CPU: the row counts (of SMALL_ROWS) computed as (W @ x^T)^T, chosen by
     # measurement at load (linear_choice.choose_small_rows); F.linear for the others
     wxt_rows: frozenset[int] = frozenset()
@@ -92,6 +93,10 @@ class Linear(nn.Linear):
         return _takes(x, self.gemm_silu_mul_packed) and self._bucket_takes(x)
 
     def _bucket_takes(self, x: torch.Tensor) -> bool:
+        return self.copy_kernel(x) is not None
+
+    def copy_kernel(self, x: torch.Tensor) -> str | None:
+        """The kernel of the packed copy that a call over `x` takes (None: oneDNN)."""
         return self.gemm_small if x.shape[0] <= GEMM_SMALL_ROWS else self.gemm_large
 
     @property
@@ -103,7 +108,7 @@ class Linear(nn.Linear):
             rows = x.reshape(-1, x.shape[-1])
             return self.invariant(rows, self.bias).reshape(*x.shape[:-1], -1)
         if self.takes_bf16_gemm(x):
-            return cpu_bf16_gemm.gemm(x, self.gemm_packed, self.bias)
+            return cpu_bf16_gemm.gemm(x, self.gemm_packed, self.bias, self.copy_kernel(x))
         packed = self.packed
         if packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled():
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")

@@ -1,4 +1,5 @@
-"""bf16 linears: the weight-streaming GEMM or oneDNN, chosen by measurement at load.
+"""bf16 linears: the weight-streaming GEMM, its brgemm kernel or oneDNN, chosen by
+measurement at load.
 
 The weight-streaming GEMM (engine/layers/cpu_bf16_gemm.py) beat oneDNN on an AVX512-BF16
 EPYC (decode steps 12-32% a layer), but on an Intel Xeon with AMX oneDNN takes the AMX
@@ -16,9 +17,12 @@ streaming GEMM only where it is faster:
 - the choice is kept for the machine (engine/layers/kernel_choice.py), so every process
   and node of a cluster runs the same kernels (their bf16 bits differ), and logged.
 
-A layer where the streaming GEMM wins neither bucket drops its copy (memory back).
-`Linear.gemm_small` / `gemm_large` say which buckets take it (Linear._takes), and the
-one-call decode layers get the copy only where `gemm_small` holds.
+The streaming copy has two kernels (cpu_bf16_gemm.KERNELS): the VDPBF16PS loops and
+oneDNN's brgemm micro-kernel on the same packed blocks (AMX tiles where present; on the AMX
+Xeon it beat oneDNN's matmul at every decode row count). All three are timed; a layer where
+neither copy kernel wins a bucket drops its copy (memory back). `Linear.gemm_small` /
+`gemm_large` name the copy kernel each bucket takes (None: oneDNN), and the one-call decode
+layers get the copy and its kernel only where `gemm_small` names one.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ def choose(model: torch.nn.Module) -> dict[str, str]:
             key = f"bf16_linear {form} [{n}, {k}] {bucket} x{len(layers)} {build}"
             name = kernel_choice.CHOICES.choose(
                 key, lambda rows=rows, form=form, layers=layers: _measure(form, layers, rows))
-            won[bucket] = name == "bf16_gemm"
+            won[bucket] = name if name in cpu_bf16_gemm.KERNELS else None
             table[f"{form} [{n}, {k}] {bucket}"] = name
         for m in layers:
             m.gemm_small, m.gemm_large = won["decode"], won["prefill"]
@@ -69,6 +73,21 @@ def choose(model: torch.nn.Module) -> dict[str, str]:
         log.info("bf16 linear kernels chosen by measurement: %s",
                  ", ".join(f"{g}: {k}" for g, k in table.items()))
     return table
+
+
+def force(model: torch.nn.Module, kernel: str) -> None:
+    """Every copy-holding Linear takes the copy's `kernel` in both buckets, unmeasured
+    (PDSERVE_CPU_BF16_GEMM=always|brgemm)."""
+    if kernel not in cpu_bf16_gemm.KERNELS:
+        raise ValueError(f"unknown bf16 copy kernel {kernel!r}; known: "
+                         f"{', '.join(cpu_bf16_gemm.KERNELS)}")
+    if kernel == "brgemm" and not cpu_bf16_gemm.brgemm_available():
+        log.warning("the brgemm kernel of the bf16 copies does not run here (oneDNN's "
+                    "micro-kernel failed its self-test); its VDPBF16PS kernel instead")
+        kernel = "bf16_gemm"
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemm_small = m.gemm_large = kernel
 
 
 @torch.inference_mode()
@@ -84,15 +103,16 @@ def _measure(form: str, layers: list[Linear], rows: int) -> str:
     what = f"bf16 linear {form} [{layers[0].out_features}, {layers[0].in_features}] " \
            f"at {rows} rows"
     best, _ = kernel_select.fastest(what, [
-        kernel_select.Candidate("bf16_gemm", over_layers(_streaming(form))),
+        kernel_select.Candidate("bf16_gemm", over_layers(_streaming(form, "bf16_gemm"))),
+        kernel_select.Candidate("brgemm", over_layers(_streaming(form, "brgemm"))),
         kernel_select.Candidate("onednn", over_layers(_onednn(form)))])
     return best
 
 
-def _streaming(form: str):
+def _streaming(form: str, kernel: str):
     if form == "silu_mul":
-        return lambda m, x: cpu_bf16_gemm.gemm_silu_mul(x, m.gemm_silu_mul_packed)
-    return lambda m, x: cpu_bf16_gemm.gemm(x, m.gemm_packed, m.bias)
+        return lambda m, x: cpu_bf16_gemm.gemm_silu_mul(x, m.gemm_silu_mul_packed, kernel)
+    return lambda m, x: cpu_bf16_gemm.gemm(x, m.gemm_packed, m.bias, kernel)
 
 
 def _onednn(form: str):

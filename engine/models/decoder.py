@@ -84,7 +84,8 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj
         if gate_up.takes_bf16_silu_mul(x):      # engine/layers/cpu_bf16_gemm.py
-            return self.down_proj(cpu_bf16_gemm.gemm_silu_mul(x, gate_up.gemm_silu_mul_packed))
+            return self.down_proj(cpu_bf16_gemm.gemm_silu_mul(x, gate_up.gemm_silu_mul_packed,
+                                                              gate_up.copy_kernel(x)))
         halves = gate_up.packed_halves
         if (halves is not None and x.dim() == 2 and x.shape[0] >= FUSED_SILU_MUL_ROWS
                 and x.dtype == halves[0].dtype and not torch.is_grad_enabled()):
@@ -195,6 +196,14 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(final.index_select(0, selected_token_idxes)).float()
 
 
+def copies(layer) -> list[tuple]:
+    """A decoder layer's streaming copies and their Linears: qkv, o, gate/up, down."""
+    a, mlp = layer.self_attn, layer.mlp
+    return [(a.qkv_proj.gemm_packed, a.qkv_proj), (a.o_proj.gemm_packed, a.o_proj),
+            (mlp.gate_up_proj.gemm_silu_mul_packed, mlp.gate_up_proj),
+            (mlp.down_proj.gemm_packed, mlp.down_proj)]
+
+
 class DecodeLayers:
     """A DecoderForCausalLM's layers as engine/layers/cpu_decode_layers.py takes them: its
     weights gathered once, and the check of which forwards it serves."""
@@ -213,16 +222,15 @@ class DecodeLayers:
                              # the streaming copies where the measured choice took them
                              # for decode-sized calls (engine/layers/linear_choice.py)
                              *(m if m is not None and lin.gemm_small else empty
-                               for m, lin in ((a.qkv_proj.gemm_packed, a.qkv_proj),
-                                              (a.o_proj.gemm_packed, a.o_proj),
-                                              (mlp.gate_up_proj.gemm_silu_mul_packed,
-                                               mlp.gate_up_proj),
-                                              (mlp.down_proj.gemm_packed, mlp.down_proj)))]
-        copies = any(w.numel() for w in self.weights[9::13] + self.weights[10::13]
-                     + self.weights[11::13] + self.weights[12::13])
+                               for m, lin in copies(layer))]
+        # per linear (qkv, o, gate/up, down): 0 oneDNN, 1 the streaming copy's VDPBF16PS
+        # kernel, 2 its brgemm kernel (all layers share each one's measured choice)
+        first = copies(model.layers[0])
+        codes = [0 if m is None or not lin.gemm_small
+                 else 1 + cpu_bf16_gemm.KERNELS.index(lin.gemm_small) for m, lin in first]
         self.rotary = model.rotary
         self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.intermediate_size,
-                     FUSED_SILU_MUL_ROWS, int(copies)]
+                     FUSED_SILU_MUL_ROWS, *codes]
         self.eps, self.scale = cfg.rms_norm_eps, model.attention.scale
 
     @classmethod

@@ -104,7 +104,9 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         # reads it
         bf16_gemm = kernels.cpu_bf16_gemm and cpu_bf16_gemm.available()
         pack_linears(model, keep_dense=("lm_head",), bf16_gemm=bf16_gemm)
-        if bf16_gemm and kernels.cpu_bf16_gemm_measure:   # keep the copies where faster here
+        if bf16_gemm and not kernels.cpu_bf16_gemm_measure:   # forced: one kernel
+            linear_choice.force(model, kernels.cpu_bf16_gemm_kernel)
+        elif bf16_gemm:   # keep the copies where faster here
             linear_choice.choose(model)
     elif dtype == torch.float32 and torch.device(device).type == "cpu":
         linear_choice.choose_small_rows(model)

@@ -282,7 +282,9 @@ def load_mtp(target_folder: str | Path, target_model: nn.Module, dtype: torch.dt
         # cpu_bf16_gemm's copies, as the target's layers have
         bf16_gemm = kernels.cpu_bf16_gemm and cpu_bf16_gemm.available()
         pack_linears(mtp, release=False, bf16_gemm=bf16_gemm)
-        if bf16_gemm and kernels.cpu_bf16_gemm_measure:
+        if bf16_gemm and not kernels.cpu_bf16_gemm_measure:   # forced: one kernel
+            linear_choice.force(mtp, kernels.cpu_bf16_gemm_kernel)
+        elif bf16_gemm:   # keep the copies where faster here
             linear_choice.choose(mtp)
     elif dtype == torch.float32 and torch.device(device).type == "cpu":
         linear_choice.choose_small_rows(mtp)

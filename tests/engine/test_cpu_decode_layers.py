@@ -67,9 +67,12 @@ def _generate(llm, n: int, seed: int = 0):
 
 
 # "always": the streaming copies wherever they fit (the path the C++ call takes with them,
-# whatever this CPU's measured choice); "1": the measured choice; "0": oneDNN only
+# whatever this CPU's measured choice); "brgemm": the same copies on their brgemm kernel;
+# "1": the measured choice; "0": oneDNN only
 @pytest.mark.parametrize("name,aux,gemm", [("llama-tied-gqa", (), "always"),
                                             ("qwen2-gqa4", (), "always"),
+                                            ("llama-tied-gqa", (), "brgemm"),
+                                            ("qwen2-gqa4", (0,), "brgemm"),
                                             ("llama-tied-gqa", (0,), "always"),
                                             ("qwen2-gqa4", (), "1"),
                                             ("llama-tied-gqa", (), "0"),
@@ -88,8 +91,13 @@ def test_decode_forwards_equal_the_python_layers(root, monkeypatch, name, aux, g
     for m in linears:
         has = m.gemm_packed is not None or m.gemm_silu_mul_packed is not None
         want = {"always": cpu_bf16_gemm.available(), "0": False,
-                "1": cpu_bf16_gemm.available() and (m.gemm_small or m.gemm_large)}[gemm]
+                "brgemm": cpu_bf16_gemm.available(),
+                "1": cpu_bf16_gemm.available() and bool(m.gemm_small or m.gemm_large)}[gemm]
         assert has == want, (gemm, m)
+        if has and gemm in ("always", "brgemm"):
+            kernel = ("brgemm" if gemm == "brgemm" and cpu_bf16_gemm.brgemm_available()
+                      else "bf16_gemm")
+            assert (m.gemm_small, m.gemm_large) == (kernel, kernel)
     served = _both_paths(model)
     outs = _generate(llm, 20)
     assert all(len(o.outputs[0].token_ids) == 4 + 3 * i for i, o in enumerate(outs))

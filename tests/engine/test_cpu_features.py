@@ -17,3 +17,5 @@ def test_kernels_are_available_exactly_where_the_cpu_has_the_isa():
     # oneDNN's bf16 micro-kernel runs from AVX512 up (and passed its self-test here)
     assert cpu_prefill_attention.brgemm_usable(torch.bfloat16, 64, 3) == has_avx512_core(), \
         cpu_prefill_attention.EXTENSION.failed
+    # the packed copies' brgemm kernel runs wherever they exist
+    assert cpu_bf16_gemm.brgemm_available() == has_avx512_bf16(), cpu_bf16_gemm.EXTENSION.failed

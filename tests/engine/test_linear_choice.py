@@ -1,14 +1,15 @@
-"""bf16 linears take the weight-streaming GEMM or oneDNN by measurement on this machine
-(engine/layers/linear_choice.py): a layer keeps its streaming copy exactly where the kept
-choice took it, each row bucket runs the kernel chosen for it, and the choice is the
-machine's (every engine of the same shapes takes the same one)."""
+"""bf16 linears take the weight-streaming GEMM, its brgemm kernel or oneDNN by measurement
+on this machine (engine/layers/linear_choice.py): a layer keeps its streaming copy exactly
+where the kept choice took one of its kernels, each row bucket runs the kernel chosen for
+it, injected timings pick the fastest of the three, and the choice is the machine's (every
+engine of the same shapes takes the same one)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers import cpu_bf16_gemm, linear_choice
+from engine.layers import cpu_bf16_gemm, kernel_choice, kernel_select, linear_choice
 from engine.layers.linear import GEMM_SMALL_ROWS, Linear, can_pack, pack_linears
 from tests.cpu_features import requires_avx512_bf16
 
@@ -27,24 +28,75 @@ def test_copies_are_kept_where_the_choice_took_them_and_the_choice_is_kept():
     pack_linears(model, bf16_gemm=True)
     table = linear_choice.choose(model)
     assert set(table) == {"gemm [96, 128] decode", "gemm [96, 128] prefill"}
-    assert set(table.values()) <= {"bf16_gemm", "onednn"}
+    assert set(table.values()) <= {"bf16_gemm", "brgemm", "onednn"}
     for m in model:
-        assert m.gemm_small == (table["gemm [96, 128] decode"] == "bf16_gemm")
-        assert m.gemm_large == (table["gemm [96, 128] prefill"] == "bf16_gemm")
-        assert (m.gemm_packed is not None) == (m.gemm_small or m.gemm_large)
+        for kernel, bucket in ((m.gemm_small, "decode"), (m.gemm_large, "prefill")):
+            chosen = table[f"gemm [96, 128] {bucket}"]
+            assert kernel == (None if chosen == "onednn" else chosen)
+        assert (m.gemm_packed is not None) == bool(m.gemm_small or m.gemm_large)
     again = _model()
     pack_linears(again, bf16_gemm=True)
     assert linear_choice.choose(again) == table     # the machine's choice, not a re-timing
 
 
 @torch.inference_mode()
-def test_each_row_bucket_runs_the_kernel_chosen_for_it():
+def test_each_row_bucket_runs_the_kernel_chosen_for_it(monkeypatch):
     model = _model(1)
     pack_linears(model, bf16_gemm=True)
     m = model[0]
-    m.gemm_small, m.gemm_large = False, True
+    m.gemm_small, m.gemm_large = None, "bf16_gemm"
     for rows, streaming in ((1, False), (GEMM_SMALL_ROWS, False), (GEMM_SMALL_ROWS + 1, True)):
         x = torch.randn(rows, 128).bfloat16()
         onednn = torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias, "none", [], "")
         want = cpu_bf16_gemm.gemm(x, m.gemm_packed, m.bias) if streaming else onednn
         assert m.takes_bf16_gemm(x) == streaming and torch.equal(m(x), want), rows
+    if cpu_bf16_gemm.brgemm_available():
+        m.gemm_small = "brgemm"
+        x = torch.randn(5, 128).bfloat16()
+        want = cpu_bf16_gemm.gemm(x, m.gemm_packed, m.bias, "brgemm")
+        kernels, real = [], cpu_bf16_gemm.gemm
+        monkeypatch.setattr(cpu_bf16_gemm, "gemm", lambda *a: kernels.append(a[3]) or real(*a))
+        assert torch.equal(m(x), want) and kernels == ["brgemm"]
+
+
+@pytest.mark.parametrize("fastest", ["bf16_gemm", "brgemm", "onednn"])
+def test_injected_timings_pick_the_fastest_of_the_three(fastest, tmp_path, monkeypatch):
+    """The selector times every kernel on the layers' own weights (here: the timings are
+    injected per kernel) and the layers take the fastest in both buckets; oneDNN's win
+    drops the copy."""
+    monkeypatch.setattr(kernel_choice, "CHOICES", kernel_choice.ChoiceCache(tmp_path / "c.json"))
+    seconds = {"bf16_gemm": 3.0, "brgemm": 2.0, "onednn": 2.5, fastest: 1.0}
+    timed = []
+
+    def timer(call):
+        call()
+        name = timer.current
+        timed.append(name)
+        return seconds[name]
+
+    real_fastest = kernel_select.fastest
+
+    def fastest_with_names(what, candidates, timer_=None):
+        def named(c):
+            def load():
+                run = c.load()
+
+                def call():
+                    timer.current = c.name
+                    return run()
+                return call
+            return kernel_select.Candidate(c.name, load)
+        return real_fastest(what, [named(c) for c in candidates], timer)
+    monkeypatch.setattr(kernel_select, "fastest", fastest_with_names)
+    model = _model(2)
+    pack_linears(model, bf16_gemm=True)
+    table = linear_choice.choose(model)
+    runs_here = {"bf16_gemm", "onednn"} | ({"brgemm"} if cpu_bf16_gemm.brgemm_available()
+                                          else set())
+    assert set(timed) == runs_here
+    want = fastest if fastest in runs_here else min(runs_here, key=seconds.get)
+    assert set(table.values()) == {want}
+    for m in model:
+        kernel = None if want == "onednn" else want
+        assert (m.gemm_small, m.gemm_large) == (kernel, kernel)
+        assert (m.gemm_packed is None) == (want == "onednn")

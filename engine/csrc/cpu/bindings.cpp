@@ -45,6 +45,11 @@ TORCH_LIBRARY(pdserve, m) {
   m.def("bf16_gemm(Tensor x, Tensor packed, Tensor bias) -> Tensor", TORCH_FN(pdserve::bf16_gemm));
   m.def("bf16_gemm_silu_mul(Tensor x, Tensor packed) -> Tensor",
         TORCH_FN(pdserve::bf16_gemm_silu_mul));
+  m.def("bf16_gemm_brgemm_available() -> bool", TORCH_FN(pdserve::bf16_gemm_brgemm_available));
+  m.def("bf16_gemm_brgemm(Tensor x, Tensor packed, Tensor bias) -> Tensor",
+        TORCH_FN(pdserve::bf16_gemm_brgemm));
+  m.def("bf16_gemm_brgemm_silu_mul(Tensor x, Tensor packed) -> Tensor",
+        TORCH_FN(pdserve::bf16_gemm_brgemm_silu_mul));
   m.def("fixed_order_linear(Tensor x, Tensor weight_t, Tensor bias) -> Tensor",
         TORCH_FN(pdserve::fixed_order_linear));
   m.def(

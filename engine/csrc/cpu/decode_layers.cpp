@@ -49,22 +49,24 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
                                       at::Tensor block_tables, at::Tensor kv_lens,
                                       std::vector<int64_t> dims, double eps, double scale,
                                       std::vector<int64_t> aux) {
-  TORCH_CHECK(dims.size() == 7,
-              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, bf16_gemm");
+  TORCH_CHECK(dims.size() == 10,
+              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, and the kernel of "
+              "the qkv, o, gate/up and down copies (0 none, 1 bf16_gemm, 2 brgemm)");
   const int64_t rows = dims[0], Hq = dims[1], Hk = dims[2], D = dims[3], inter = dims[4];
   const int64_t silu_rows = dims[5];
-  const bool copies = dims[6] != 0;
+  const int64_t k_qkv = dims[6], k_o = dims[7], k_gu = dims[8], k_down = dims[9];
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(
       static_cast<int64_t>(weights.size()) == 13 * L && static_cast<int64_t>(v_caches.size()) == L,
       "decode_layers: 13 weight tensors and one K and V cache per layer");
   const int64_t t = x.size(0);
   const at::Tensor none = at::empty({0}, x.options());
-  // Linear.forward: cpu_bf16_gemm when the layer has its copy, oneDNN otherwise
+  // Linear.forward: cpu_bf16_gemm's kernel `kernel` when the layer has its copy, oneDNN
+  // otherwise
   auto lin = [&](const at::Tensor& in, const at::Tensor& packed, const at::Tensor& copy,
-                 const at::Tensor& bias) {
-    return copies && copy.numel() ? bf16_gemm(in, copy, bias)
-                                  : linear(in, packed, maybe(bias), "none");
+                 const at::Tensor& bias, int64_t kernel) {
+    if (kernel == 0 || !copy.numel()) return linear(in, packed, maybe(bias), "none");
+    return kernel == 2 ? bf16_gemm_brgemm(in, copy, bias) : bf16_gemm(in, copy, bias);
   };
   TORCH_CHECK(t % rows == 0 && block_tables.size(0) >= t / rows,
               "decode_layers: x must hold `rows` rows per sequence of the block tables");
@@ -78,7 +80,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
         x.contiguous(), residual ? std::optional<at::Tensor>(residual->contiguous()) : std::nullopt,
         w[0], eps);
     residual = hr[1];
-    const at::Tensor qkv = lin(hr[0], w[1], w[9], w[2]);
+    const at::Tensor qkv = lin(hr[0], w[1], w[9], w[2], k_qkv);
     rope_(qkv, positions, cos, sin, Hq + Hk, D);
     const at::Tensor qk = qkv.slice(1, 0, (Hq + Hk) * D).view({t, Hq + Hk, D});
     const at::Tensor q = qk.slice(1, 0, Hq), k = qk.slice(1, Hq, Hq + Hk);
@@ -86,20 +88,20 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
     write_kv(k, v, k_caches[l], v_caches[l], slots);
     const at::Tensor o =
         paged_decode_attention(q, k_caches[l], v_caches[l], tables, kv_lens, rows, scale);
-    const at::Tensor a = lin(o.reshape({t, Hq * D}), w[3], w[10], none);
+    const at::Tensor a = lin(o.reshape({t, Hq * D}), w[3], w[10], none, k_o);
     hr = add_rms_norm(a, residual->contiguous(), w[4], eps);
     residual = hr[1];
     const at::Tensor& h = hr[0];
     at::Tensor act;
-    if (copies && w[11].numel()) {
-      act = bf16_gemm_silu_mul(h, w[11]);
+    if (k_gu != 0 && w[11].numel()) {
+      act = k_gu == 2 ? bf16_gemm_brgemm_silu_mul(h, w[11]) : bf16_gemm_silu_mul(h, w[11]);
     } else if (w[5].numel() && t >= silu_rows) {
       act = linear_mul(h, linear(h, w[5], std::nullopt, "swish"), w[6]);
     } else {
       const at::Tensor gu = linear(h, w[7], std::nullopt, "none");
       act = at::silu(gu.slice(1, 0, inter)) * gu.slice(1, inter);
     }
-    x = lin(act, w[8], w[12], none);
+    x = lin(act, w[8], w[12], none, k_down);
     if (next_aux < aux.size() && aux[next_aux] == l) {
       out.push_back(x + *residual);
       ++next_aux;

@@ -49,6 +49,12 @@ at::Tensor bf16_gemm_pack_silu_mul(at::Tensor w);
 at::Tensor bf16_gemm(at::Tensor x, at::Tensor wp, at::Tensor bias);
 at::Tensor bf16_gemm_silu_mul(at::Tensor x, at::Tensor wp);
 
+// bf16_gemm_brgemm.cpp: the same packed weights on oneDNN's brgemm micro-kernel (AMX tiles
+// where present); whether it passed its self-test here
+bool bf16_gemm_brgemm_available();
+at::Tensor bf16_gemm_brgemm(at::Tensor x, at::Tensor wp, at::Tensor bias);
+at::Tensor bf16_gemm_brgemm_silu_mul(at::Tensor x, at::Tensor wp);
+
 // fixed_order_linear.cpp: batch-invariant linear for any CPU
 at::Tensor fixed_order_linear(at::Tensor x, at::Tensor wt, at::Tensor bias);
 
