@@ -19,7 +19,9 @@ streaming GEMM only where it is faster:
 
 The streaming copy has two kernels (cpu_bf16_gemm.KERNELS): the VDPBF16PS loops and
 oneDNN's brgemm micro-kernel on the same packed blocks (AMX tiles where present; on the AMX
-Xeon it beat oneDNN's matmul at every decode row count). All three are timed; a layer where
+Xeon it beat oneDNN's matmul at every decode row count). All three are timed for the decode
+bucket, the first and oneDNN for the prefill bucket (the brgemm kernel re-reads the weights
+for every 64 rows, a loss at prefill sizes the 256 timed rows do not show); a layer where
 neither copy kernel wins a bucket drops its copy (memory back). `Linear.gemm_small` /
 `gemm_large` name the copy kernel each bucket takes (None: oneDNN), and the one-call decode
 layers get the copy and its kernel only where `gemm_small` names one.
@@ -62,7 +64,8 @@ def choose(model: torch.nn.Module) -> dict[str, str]:
         for bucket, rows in BUCKETS:
             key = f"bf16_linear {form} [{n}, {k}] {bucket} x{len(layers)} {build}"
             name = kernel_choice.CHOICES.choose(
-                key, lambda rows=rows, form=form, layers=layers: _measure(form, layers, rows))
+                key, lambda rows=rows, form=form, layers=layers: _measure(form, layers, rows),
+                still_valid=lambda kept, rows=rows: kept in candidate_names(rows))
             won[bucket] = name if name in cpu_bf16_gemm.KERNELS else None
             table[f"{form} [{n}, {k}] {bucket}"] = name
         for m in layers:
@@ -102,11 +105,21 @@ def _measure(form: str, layers: list[Linear], rows: int) -> str:
 
     what = f"bf16 linear {form} [{layers[0].out_features}, {layers[0].in_features}] " \
            f"at {rows} rows"
-    best, _ = kernel_select.fastest(what, [
-        kernel_select.Candidate("bf16_gemm", over_layers(_streaming(form, "bf16_gemm"))),
-        kernel_select.Candidate("brgemm", over_layers(_streaming(form, "brgemm"))),
-        kernel_select.Candidate("onednn", over_layers(_onednn(form)))])
+    run = {"bf16_gemm": _streaming(form, "bf16_gemm"), "brgemm": _streaming(form, "brgemm"),
+           "onednn": _onednn(form)}
+    best, _ = kernel_select.fastest(what, [kernel_select.Candidate(name, over_layers(run[name]))
+                                           for name in candidate_names(rows)])
     return best
+
+
+def candidate_names(rows: int) -> tuple[str, ...]:
+    """The kernels timed for calls of `rows` rows. The brgemm kernel is a decode kernel: it
+    streams the weights once per 64 rows, so a 2,048-row prefill chunk reads them 32 times
+    (gate/up at 2,048 rows 171 ms against oneDNN's 100 on the AMX Xeon), which the 256
+    rows timed for the prefill bucket would not show."""
+    if rows <= GEMM_SMALL_ROWS:
+        return ("bf16_gemm", "brgemm", "onednn")
+    return ("bf16_gemm", "onednn")
 
 
 def _streaming(form: str, kernel: str):

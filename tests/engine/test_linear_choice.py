@@ -6,6 +6,8 @@ engine of the same shapes takes the same one)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -62,8 +64,8 @@ def test_each_row_bucket_runs_the_kernel_chosen_for_it(monkeypatch):
 @pytest.mark.parametrize("fastest", ["bf16_gemm", "brgemm", "onednn"])
 def test_injected_timings_pick_the_fastest_of_the_three(fastest, tmp_path, monkeypatch):
     """The selector times every kernel on the layers' own weights (here: the timings are
-    injected per kernel) and the layers take the fastest in both buckets; oneDNN's win
-    drops the copy."""
+    injected per kernel) and the layers take the fastest in each bucket (the brgemm kernel
+    competes for decode-sized calls only); oneDNN winning both drops the copy."""
     monkeypatch.setattr(kernel_choice, "CHOICES", kernel_choice.ChoiceCache(tmp_path / "c.json"))
     seconds = {"bf16_gemm": 3.0, "brgemm": 2.0, "onednn": 2.5, fastest: 1.0}
     timed = []
@@ -94,9 +96,31 @@ def test_injected_timings_pick_the_fastest_of_the_three(fastest, tmp_path, monke
     runs_here = {"bf16_gemm", "onednn"} | ({"brgemm"} if cpu_bf16_gemm.brgemm_available()
                                           else set())
     assert set(timed) == runs_here
-    want = fastest if fastest in runs_here else min(runs_here, key=seconds.get)
-    assert set(table.values()) == {want}
+
+    def pick(names):
+        return fastest if fastest in names else min(names, key=seconds.get)
+    # the brgemm kernel is a candidate for decode-sized calls only
+    want = {"decode": pick(runs_here), "prefill": pick(runs_here - {"brgemm"})}
+    assert table == {f"gemm [96, 128] {b}": k for b, k in want.items()}
     for m in model:
-        kernel = None if want == "onednn" else want
-        assert (m.gemm_small, m.gemm_large) == (kernel, kernel)
-        assert (m.gemm_packed is None) == (want == "onednn")
+        kernels = [None if want[b] == "onednn" else want[b] for b in ("decode", "prefill")]
+        assert [m.gemm_small, m.gemm_large] == kernels
+        assert (m.gemm_packed is None) == (kernels == [None, None])
+
+
+def test_a_kept_brgemm_choice_for_prefill_calls_is_measured_again(tmp_path, monkeypatch):
+    """A choice kept by a build that still offered the brgemm kernel for prefill-sized
+    calls is no longer one of that bucket's candidates: timed again, not trusted."""
+    path = tmp_path / "c.json"
+    monkeypatch.setattr(kernel_choice, "CHOICES", kernel_choice.ChoiceCache(path))
+    pack_linears(model := _model(1), bf16_gemm=True)
+    linear_choice.choose(model)
+    kept = json.loads(path.read_text())
+    prefill = [k for k in kept if " prefill " in k]
+    assert len(prefill) == 1
+    kept[prefill[0]] = "brgemm"
+    path.write_text(json.dumps(kept))
+    monkeypatch.setattr(kernel_choice, "CHOICES", kernel_choice.ChoiceCache(path))
+    pack_linears(again := _model(1), bf16_gemm=True)
+    assert linear_choice.choose(again)["gemm [96, 128] prefill"] in ("bf16_gemm", "onednn")
+    assert json.loads(path.read_text())[prefill[0]] != "brgemm"
