@@ -36,9 +36,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias
                   wp.scalar_type() == at::kBFloat16 && wp.is_contiguous(),
               "bf16_gemm_brgemm: the weight must come from bf16_gemm.pack / pack_silu_mul");
   const int64_t NB = wp.size(0), KP = wp.size(1), K = 2 * KP, N = NB * (silu ? 16 : 32);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K &&
-                  x.stride(1) == 1,
-              "bf16_gemm_brgemm: x must be [rows, K] bfloat16 with unit column stride");
+  TORCH_CHECK(
+      x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K && x.stride(1) == 1,
+      "bf16_gemm_brgemm: x must be [rows, K] bfloat16 with unit column stride");
   TORCH_CHECK(!bias.numel() || (!silu && bias.numel() == N && bias.scalar_type() == at::kBFloat16),
               "bf16_gemm_brgemm: the bias must be bfloat16 [N] (none with silu_mul)");
   const int64_t M = x.size(0), lda = x.stride(0), cols = silu ? 16 : 32;
@@ -58,8 +58,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const at::Tensor& bias
     for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
       const int64_t mr = std::min(MAX_ROWS, M - m0);
       for (int64_t b = b0; b < b1; ++b) {
-        at::native::cpublas::brgemm(mr, 32, K, lda, 32, 32, false, xp + m0 * lda,
-                                    w + b * K * 32, c);
+        at::native::cpublas::brgemm(mr, 32, K, lda, 32, 32, false, xp + m0 * lda, w + b * K * 32,
+                                    c);
         for (int64_t m = 0; m < mr; ++m) {
           __m512 lo = _mm512_load_ps(c + m * 32), hi = _mm512_load_ps(c + m * 32 + 16);
           uint16_t* out = yp + (m0 + m) * N + b * cols;

@@ -50,7 +50,8 @@ inline __m256i to_bf16(__m512 x) {
 #else
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(r);
@@ -71,8 +72,8 @@ void pack_k(const uint16_t* const* rows, int64_t valid, uint32_t* out) {
 
 // V block [BN keys][64] -> [BN / 2 key pairs][64][2]: keys 2j and 2j+1 interleaved
 void pack_v(const uint16_t* const* rows, int64_t valid, uint16_t* out) {
-  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t j = 0; j < BN / 2; ++j) {
     uint16_t* o = out + j * 2 * D;
@@ -103,7 +104,11 @@ struct Scratch {
   std::vector<uint16_t> qa, p;
   std::vector<float> s, acc, mx, sum;
   Scratch()
-      : qa(4 * ROWS * D), p(4 * ROWS * BN), s(4 * ROWS * BN), acc(4 * ROWS * D), mx(4 * ROWS),
+      : qa(4 * ROWS * D),
+        p(4 * ROWS * BN),
+        s(4 * ROWS * BN),
+        acc(4 * ROWS * D),
+        mx(4 * ROWS),
         sum(4 * ROWS) {}
 };
 
@@ -125,10 +130,9 @@ void run_task(const Ctx& c, const Task& t, Scratch& w) {
     // rows before r0 see no key of this block (row j sees ctx + row0 + j + 1 keys)
     const int64_t j0 = std::max<int64_t>(0, k0 - ctx - t.row0), r0 = j0 * G, Mb = M - r0;
     const int64_t blk = (c.base[t.seq] + kb) * c.Hk + t.head;
-    at::native::cpublas::brgemm(Mb, BN, D, D, BN, BN, false,
-                                reinterpret_cast<const BFloat16*>(w.qa.data() + r0 * D),
-                                reinterpret_cast<const BFloat16*>(c.kpack + blk * 32 * BN),
-                                w.s.data() + r0 * BN);
+    at::native::cpublas::brgemm(
+        Mb, BN, D, D, BN, BN, false, reinterpret_cast<const BFloat16*>(w.qa.data() + r0 * D),
+        reinterpret_cast<const BFloat16*>(c.kpack + blk * 32 * BN), w.s.data() + r0 * BN);
     for (int64_t r = r0; r < M; ++r) {
       const int64_t valid = std::min<int64_t>(BN, ctx + t.row0 + r / G + 1 - k0);
       const int64_t nv = (valid + 15) / 16;  // vectors holding a visible key
@@ -160,13 +164,13 @@ void run_task(const Ctx& c, const Task& t, Scratch& w) {
       if (alpha != 1.f) {
         float* ar = w.acc.data() + r * D;
         const __m512 a = _mm512_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), a));
       }
     }
-    at::native::cpublas::brgemm(Mb, D, BN, BN, D, D, true,
-                                reinterpret_cast<const BFloat16*>(w.p.data() + r0 * BN),
-                                reinterpret_cast<const BFloat16*>(c.vpack + blk * BN * D),
-                                w.acc.data() + r0 * D);
+    at::native::cpublas::brgemm(
+        Mb, D, BN, BN, D, D, true, reinterpret_cast<const BFloat16*>(w.p.data() + r0 * BN),
+        reinterpret_cast<const BFloat16*>(c.vpack + blk * BN * D), w.acc.data() + r0 * D);
   }
   for (int64_t r = 0; r < M; ++r) {
     const int64_t j = r / G, g = r % G;
@@ -188,7 +192,8 @@ bool self_test() {
     for (int i = 0; i < 32 * 32; ++i) fb[i] = static_cast<float>((i * 5) % 11 - 5);
     for (int i = 0; i < 16 * 32; ++i) a[i] = float_to_bf16(fa[i]);
     for (int k = 0; k < 32; ++k)  // b[k][n] -> vnni [k / 2][n][k % 2]
-      for (int n = 0; n < 32; ++n) b[((k / 2) * 32 + n) * 2 + k % 2] = float_to_bf16(fb[k * 32 + n]);
+      for (int n = 0; n < 32; ++n)
+        b[((k / 2) * 32 + n) * 2 + k % 2] = float_to_bf16(fb[k * 32 + n]);
     at::native::cpublas::brgemm(16, 32, 32, 32, 32, 32, false,
                                 reinterpret_cast<const at::BFloat16*>(a.data()),
                                 reinterpret_cast<const at::BFloat16*>(b.data()), c.data());
@@ -283,9 +288,18 @@ at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, 
       pack_v(vrow, valid, vpack.data() + i * BN * D);
     }
   });
-  Ctx c{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), Hq, Hk, G, qs, cx,
-        static_cast<float>(scale), reinterpret_cast<uint16_t*>(out.data_ptr()), kpack.data(),
-        vpack.data(), base.data()};
+  Ctx c{reinterpret_cast<const uint16_t*>(q.data_ptr()),
+        q.stride(0),
+        Hq,
+        Hk,
+        G,
+        qs,
+        cx,
+        static_cast<float>(scale),
+        reinterpret_cast<uint16_t*>(out.data_ptr()),
+        kpack.data(),
+        vpack.data(),
+        base.data()};
   // each thread takes the tasks whose cost midpoint falls in its equal share
   const int64_t nt = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size())));
