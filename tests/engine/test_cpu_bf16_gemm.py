@@ -78,8 +78,11 @@ def test_silu_mul_form_on_the_same_sums(inter, k):
         assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
 
 
-def test_silu_mul_edges():
-    """Gate values set exactly (K = 2, one-hot weights): 0, huge of both signs, NaN."""
+@pytest.mark.parametrize("kernel", cpu_bf16_gemm.KERNELS)
+def test_silu_mul_edges(kernel):
+    """Gate values set exactly (K = 2, one-hot weights): 0, huge of both signs, NaN; on
+    both kernels of the copy (tests/engine/test_cpu_bf16_gemm_brgemm.py has the rest of
+    the brgemm kernel's tests)."""
     inter = 16
     w = torch.zeros(2 * inter, 2)
     w[:inter, 0] = 1.0                  # gate column j = x[:, 0]
@@ -87,7 +90,7 @@ def test_silu_mul_edges():
     packed = cpu_bf16_gemm.pack_silu_mul(w.bfloat16())
     gates = [0.0, 1.0, -1.0, 80.0, -80.0, 1e30, -1e30, float("nan")]
     x = torch.tensor([[v, 2.0] for v in gates]).bfloat16()
-    got = cpu_bf16_gemm.gemm_silu_mul(x, packed)[:, 0].float()
+    got = cpu_bf16_gemm.gemm_silu_mul(x, packed, kernel)[:, 0].float()
     gb = x[:, 0].double()
     want = (gb * torch.sigmoid(gb) * 2.0).to(torch.bfloat16).float()
     assert torch.equal(got[:7], want[:7]), (got, want)

@@ -2,6 +2,7 @@
 // head share each K/V chunk. Used by engine/layers/cpu_prefill_attention.py.
 
 #include "ops.h"
+#include "prefill_common.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -223,22 +224,9 @@ bool prefill_attention_available() {
 at::Tensor prefill_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
                              at::Tensor qstart, at::Tensor context, double scale) {
   TORCH_CHECK(prefill_attention_available(), "prefill_attention: built without AVX512-BF16");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kc.scalar_type() == at::kBFloat16 &&
-                  vc.scalar_type() == at::kBFloat16,
-              "prefill_attention: bfloat16 only");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == 64 && q.stride(2) == 1 && q.stride(1) == 64 &&
-                  kc.is_contiguous() && vc.is_contiguous() && kc.size(3) == 64,
-              "prefill_attention: head_dim 64, q's heads and the caches contiguous");
-  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk;
-  TORCH_CHECK(Hq % Hk == 0 && G >= 1 && G <= 4, "prefill_attention: 1-4 query heads a KV head");
+  check_prefill_args("prefill_attention", q, kc, vc, bt, qstart, context);
   TORCH_CHECK(kc.size(2) % 16 == 0, "prefill_attention: blocks of a multiple of 16 keys");
-  TORCH_CHECK(bt.scalar_type() == at::kInt && context.scalar_type() == at::kInt &&
-                  qstart.scalar_type() == at::kLong && bt.is_contiguous() &&
-                  context.is_contiguous() && qstart.is_contiguous(),
-              "prefill_attention: int32 tables and context, int64 query_start");
-  const int64_t S = bt.size(0);
-  TORCH_CHECK(qstart.size(0) == S + 1 && context.size(0) == S,
-              "prefill_attention: one query_start per sequence plus one, one context each");
+  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk, S = bt.size(0);
   auto out = at::empty({q.size(0), Hq, 64}, q.options());
 #ifdef PDSERVE_PREFILL_TILES
   const int64_t* qs = qstart.data_ptr<int64_t>();
@@ -291,19 +279,9 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Ten
         kt.data(),
         vt.data(),
         base.data()};
-  // each thread takes the tasks whose cost midpoint falls in its equal share
-  const int64_t nt = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size())));
-  const double total = static_cast<double>(cost.back());
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> sbuf;
-    std::vector<uint16_t> pbuf;
-    for (int64_t th = b; th < e; ++th)
-      for (size_t i = 0; i < tasks.size(); ++i) {
-        const double mid = 0.5 * (cost[i] + cost[i + 1]);
-        const int64_t owner = std::min<int64_t>(nt - 1, static_cast<int64_t>(mid * nt / total));
-        if (owner == th) run_task(c, tasks[i], sbuf, pbuf);
-      }
+  run_by_cost(cost, [&] {
+    return [&c, &tasks, sbuf = std::vector<float>(), pbuf = std::vector<uint16_t>()](
+               int64_t i) mutable { run_task(c, tasks[i], sbuf, pbuf); };
   });
 #endif
   return out;

@@ -19,6 +19,7 @@
 //   prefix-cache hits give the same bits. They are not the tile kernel's or SDPA's bits.
 
 #include "ops.h"
+#include "prefill_common.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -227,22 +228,8 @@ at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, 
                                     at::Tensor qstart, at::Tensor context, double scale) {
   TORCH_CHECK(prefill_attention_brgemm_available(),
               "prefill_attention_brgemm: oneDNN's bf16 brgemm micro-kernel is not usable here");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kc.scalar_type() == at::kBFloat16 &&
-                  vc.scalar_type() == at::kBFloat16,
-              "prefill_attention_brgemm: bfloat16 only");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == 64 && q.stride(2) == 1 && q.stride(1) == 64 &&
-                  kc.is_contiguous() && vc.is_contiguous() && kc.size(3) == 64,
-              "prefill_attention_brgemm: head_dim 64, q's heads and the caches contiguous");
-  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk;
-  TORCH_CHECK(Hq % Hk == 0 && G >= 1 && G <= 4,
-              "prefill_attention_brgemm: 1-4 query heads a KV head");
-  TORCH_CHECK(bt.scalar_type() == at::kInt && context.scalar_type() == at::kInt &&
-                  qstart.scalar_type() == at::kLong && bt.is_contiguous() &&
-                  context.is_contiguous() && qstart.is_contiguous(),
-              "prefill_attention_brgemm: int32 tables and context, int64 query_start");
-  const int64_t S = bt.size(0);
-  TORCH_CHECK(qstart.size(0) == S + 1 && context.size(0) == S,
-              "prefill_attention_brgemm: one query_start per sequence plus one, one context each");
+  check_prefill_args("prefill_attention_brgemm", q, kc, vc, bt, qstart, context);
+  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk, S = bt.size(0);
   auto out = at::empty({q.size(0), Hq, 64}, q.options());
 #ifdef PDSERVE_PREFILL_BRGEMM
   const int64_t* qs = qstart.data_ptr<int64_t>();
@@ -300,20 +287,14 @@ at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, 
         kpack.data(),
         vpack.data(),
         base.data()};
-  // each thread takes the tasks whose cost midpoint falls in its equal share
-  const int64_t nt = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size())));
-  const double total = static_cast<double>(cost.back());
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+  struct Worker {  // a thread's scratch; the AMX tiles released when its tasks are done
+    const Ctx& c;
+    const std::vector<Task>& tasks;
     Scratch w;
-    for (int64_t th = b; th < e; ++th)
-      for (size_t i = 0; i < tasks.size(); ++i) {
-        const double mid = 0.5 * (cost[i] + cost[i + 1]);
-        const int64_t owner = std::min<int64_t>(nt - 1, static_cast<int64_t>(mid * nt / total));
-        if (owner == th) run_task(c, tasks[i], w);
-      }
-    at::native::cpublas::brgemm_release();
-  });
+    void operator()(int64_t i) { run_task(c, tasks[i], w); }
+    ~Worker() { at::native::cpublas::brgemm_release(); }
+  };
+  run_by_cost(cost, [&] { return Worker{c, tasks, Scratch()}; });
 #endif
   return out;
 }

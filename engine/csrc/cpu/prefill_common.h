@@ -1,0 +1,57 @@
+// What the two prefill attention kernels (prefill_attention.cpp, prefill_attention_brgemm.cpp)
+// share: the checks of their common arguments, and the split of their tasks over threads.
+// Internal linkage, as vec.h: each kernel file compiles its copy under its own flags.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace pdserve {
+namespace {
+
+// q [T, Hq, 64] bf16 (heads contiguous), caches [Hkv, blocks, block_size, 64], int32 block
+// tables [S, W] and context [S], int64 query_start [S + 1]; `what` names the kernel
+inline void check_prefill_args(const char* what, const at::Tensor& q, const at::Tensor& kc,
+                               const at::Tensor& vc, const at::Tensor& bt, const at::Tensor& qstart,
+                               const at::Tensor& context) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kc.scalar_type() == at::kBFloat16 &&
+                  vc.scalar_type() == at::kBFloat16,
+              what, ": bfloat16 only");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == 64 && q.stride(2) == 1 && q.stride(1) == 64 &&
+                  kc.is_contiguous() && vc.is_contiguous() && kc.size(3) == 64,
+              what, ": head_dim 64, q's heads and the caches contiguous");
+  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk;
+  TORCH_CHECK(Hq % Hk == 0 && G >= 1 && G <= 4, what, ": 1-4 query heads a KV head");
+  TORCH_CHECK(bt.scalar_type() == at::kInt && context.scalar_type() == at::kInt &&
+                  qstart.scalar_type() == at::kLong && bt.is_contiguous() &&
+                  context.is_contiguous() && qstart.is_contiguous(),
+              what, ": int32 tables and context, int64 query_start");
+  const int64_t S = bt.size(0);
+  TORCH_CHECK(qstart.size(0) == S + 1 && context.size(0) == S, what,
+              ": one query_start per sequence plus one, one context each");
+}
+
+// Task i costs cost[i + 1] - cost[i]; each thread takes the tasks whose cost midpoint falls
+// in its equal share. make() gives each thread its worker, called as worker(i).
+template <typename MakeWorker>
+void run_by_cost(const std::vector<int64_t>& cost, MakeWorker make) {
+  const int64_t n = static_cast<int64_t>(cost.size()) - 1;
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const double total = static_cast<double>(cost.back());
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    auto worker = make();
+    for (int64_t th = b; th < e; ++th)
+      for (int64_t i = 0; i < n; ++i) {
+        const double mid = 0.5 * (cost[i] + cost[i + 1]);
+        const int64_t owner = std::min<int64_t>(nt - 1, static_cast<int64_t>(mid * nt / total));
+        if (owner == th) worker(i);
+      }
+  });
+}
+
+}  // namespace
+}  // namespace pdserve
