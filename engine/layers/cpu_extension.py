@@ -73,7 +73,7 @@ SOURCES = {
     "fixed_order_linear.cpp": ["-ffp-contract=off"],
     "bindings.cpp": [],
 }
-HEADERS = ("ops.h", "prefill_common.h", "vec.h")
+HEADERS = ("cost_split.h", "ops.h", "prefill_common.h", "vec.h")
 # -march=native: the build is for this CPU (the folder name carries its capability);
 # PDSERVE_CPU_MARCH=<arch> builds for a named target instead (a container image built for
 # its target ISA: deploy/docker/Dockerfile), and the folder name carries that.

@@ -1,10 +1,13 @@
 // What the two prefill attention kernels (prefill_attention.cpp, prefill_attention_brgemm.cpp)
-// share: the checks of their common arguments, and the split of their tasks over threads.
+// share: the checks of their common arguments (their split of tasks over threads by cost is
+// cost_split.h's).
 // Internal linkage, as vec.h: each kernel file compiles its copy under its own flags.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "cost_split.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,24 +36,6 @@ inline void check_prefill_args(const char* what, const at::Tensor& q, const at::
   const int64_t S = bt.size(0);
   TORCH_CHECK(qstart.size(0) == S + 1 && context.size(0) == S, what,
               ": one query_start per sequence plus one, one context each");
-}
-
-// Task i costs cost[i + 1] - cost[i]; each thread takes the tasks whose cost midpoint falls
-// in its equal share. make() gives each thread its worker, called as worker(i).
-template <typename MakeWorker>
-void run_by_cost(const std::vector<int64_t>& cost, MakeWorker make) {
-  const int64_t n = static_cast<int64_t>(cost.size()) - 1;
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  const double total = static_cast<double>(cost.back());
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    auto worker = make();
-    for (int64_t th = b; th < e; ++th)
-      for (int64_t i = 0; i < n; ++i) {
-        const double mid = 0.5 * (cost[i] + cost[i + 1]);
-        const int64_t owner = std::min<int64_t>(nt - 1, static_cast<int64_t>(mid * nt / total));
-        if (owner == th) worker(i);
-      }
-  });
 }
 
 }  // namespace
