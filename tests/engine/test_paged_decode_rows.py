@@ -39,21 +39,21 @@ def _reference(q, kc, vc, tables, lens, scale):
     return out
 
 
-def _batch(seed: int, lens: list[int], groups: int):
+def _batch(seed: int, lens: list[int], groups: int, dtype=torch.bfloat16):
     """q, caches and block tables with each row's blocks at random places in the cache."""
     gen = torch.Generator().manual_seed(seed)
     need = [math.ceil(n / BS) for n in lens]
     width = max(1, *need)
     nblocks = sum(need) + 3
-    kc = torch.randn(HK, nblocks, BS, D, generator=gen).bfloat16()
-    vc = torch.randn(HK, nblocks, BS, D, generator=gen).bfloat16()
+    kc = torch.randn(HK, nblocks, BS, D, generator=gen).to(dtype)
+    vc = torch.randn(HK, nblocks, BS, D, generator=gen).to(dtype)
     order = torch.randperm(nblocks, generator=gen)
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
     used = 0
     for r, n in enumerate(need):
         tables[r, :n] = order[used:used + n].int()
         used += n
-    q = torch.randn(len(lens), HK * groups, D, generator=gen).bfloat16()
+    q = torch.randn(len(lens), HK * groups, D, generator=gen).to(dtype)
     return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
 
 
@@ -91,10 +91,11 @@ def test_rows_match_reference_and_do_not_depend_on_the_batch(seed, lens, groups,
             assert torch.equal(got[r], torch.zeros_like(got[r])), "a row without keys"
 
 
-def test_thread_count_does_not_change_bits():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_thread_count_does_not_change_bits(dtype):
     """The same batch on one thread and on two: the split by keys moves rows between
-    threads, never changes a row's arithmetic."""
-    q, kc, vc, tables, kv_lens = _batch(7, [5, 300, 17, 0, 129, 64, 1, 250], 3)
+    threads, never changes a row's arithmetic (float32 takes the generic loop)."""
+    q, kc, vc, tables, kv_lens = _batch(7, [5, 300, 17, 0, 129, 64, 1, 250], 3, dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -104,3 +105,4 @@ def test_thread_count_does_not_change_bits():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+    assert torch.equal(one[3], torch.zeros_like(one[3]))   # the row without keys

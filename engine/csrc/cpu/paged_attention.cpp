@@ -68,7 +68,10 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
   const int* btp = bt.data_ptr<int>();
   const int* lp = kvlen.data_ptr<int>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, N * Hk, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> cost(N * Hk + 1, 0);  // keys, plus a row's fixed work (as below)
+  for (int64_t i = 0; i < N * Hk; ++i)
+    cost[i + 1] = cost[i] + std::min<int64_t>(lp[i / Hk], W * BS) + 32;
+  run_ranges_by_cost(cost, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), sc;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / Hk, h = i % Hk, b = r / rows;
