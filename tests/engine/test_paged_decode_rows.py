@@ -106,3 +106,11 @@ def test_thread_count_does_not_change_bits(dtype):
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     assert torch.equal(one[3], torch.zeros_like(one[3]))   # the row without keys
+
+
+def test_a_negative_or_missing_length_is_an_error_not_a_crash():
+    q, kc, vc, tables, kv_lens = _batch(3, [20, 40], 2)
+    with pytest.raises(RuntimeError, match="kv length -1 of row 1"):
+        _run(q, kc, vc, tables, torch.tensor([20, -1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="a kv length for every row"):
+        _run(q, kc, vc, tables, kv_lens[:1])

@@ -301,6 +301,10 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
   TORCH_CHECK(q.size(1) % kc.size(0) == 0, "query heads must be a multiple of KV heads");
   auto btc = bt.contiguous();
   auto lens = kvlen.contiguous();
+  TORCH_CHECK(lens.numel() >= q.size(0), "paged_decode_attention: a kv length for every row");
+  const int* lp = lens.data_ptr<int>();
+  for (int64_t r = 0; r < q.size(0); ++r)  // a length sizes each row's score buffer
+    TORCH_CHECK(lp[r] >= 0, "paged_decode_attention: kv length ", lp[r], " of row ", r);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t d = q.size(2);
   if (q.scalar_type() == at::kFloat) {
