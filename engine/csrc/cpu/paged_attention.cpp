@@ -39,6 +39,16 @@ static inline void prefetch_block(const T* p, int64_t n) {
 
 constexpr int64_t AHEAD = 2;  // blocks prefetched ahead (3x faster than none, measured)
 
+// the split of (row i / Hk, KV head i % Hk) items over the threads: an item costs its keys
+// (never past the table's max_keys) plus a row's fixed work
+static std::vector<int64_t> item_costs(const int* lens, int64_t items, int64_t Hk,
+                                       int64_t max_keys) {
+  std::vector<int64_t> cost(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i)
+    cost[i + 1] = cost[i] + std::min<int64_t>(lens[i / Hk], max_keys) + 32;
+  return cost;
+}
+
 // one query head's scores -> probabilities, in place, in float32
 static inline void softmax_inplace(float* s, int64_t L) {
   float m = -INFINITY;
@@ -68,10 +78,7 @@ static void paged_decode(const at::Tensor& q, const at::Tensor& kc, const at::Te
   const int* btp = bt.data_ptr<int>();
   const int* lp = kvlen.data_ptr<int>();
   T* op = out.data_ptr<T>();
-  std::vector<int64_t> cost(N * Hk + 1, 0);  // keys, plus a row's fixed work (as below)
-  for (int64_t i = 0; i < N * Hk; ++i)
-    cost[i + 1] = cost[i] + std::min<int64_t>(lp[i / Hk], W * BS) + 32;
-  run_ranges_by_cost(cost, [&](int64_t begin, int64_t end) {
+  run_ranges_by_cost(item_costs(lp, N * Hk, Hk, W * BS), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), sc;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / Hk, h = i % Hk, b = r / rows;
@@ -200,9 +207,7 @@ static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc, con
   auto block = [&](const at::BFloat16* cache, int64_t i, int64_t j) {
     return cache + ((i % Hk) * NB + btp[(i / Hk / rows) * W + j]) * BS * D;
   };
-  std::vector<int64_t> cost(N * Hk + 1, 0);  // keys, plus a row's fixed work
-  for (int64_t i = 0; i < N * Hk; ++i) cost[i + 1] = cost[i] + len_of(i) + 32;
-  run_ranges_by_cost(cost, [&](int64_t begin, int64_t end) {
+  run_ranges_by_cost(item_costs(lp, N * Hk, Hk, W * BS), [&](int64_t begin, int64_t end) {
     std::vector<float> sc;
     __m512i qv[2 * G];
     __m512 acc[4 * G];

@@ -65,14 +65,7 @@ inline void unpermute(__m512 lo, __m512 hi, __m512* d0, __m512* d1) {
   *d1 = _mm512_permutex2var_ps(lo, i1, hi);
 }
 
-struct Ctx {
-  const uint16_t* q;
-  int64_t qs;
-  int64_t Hq, Hk, G;
-  const int64_t* qstart;
-  const int* ctx;
-  float scale;
-  uint16_t* out;
+struct Ctx : PrefillRows {
   // every sequence's K and V chunks, transposed / interleaved once: 32 vectors a chunk,
   // sequence s's chunk ch of head h at chunk index (base[s] + ch) * Hk + h
   const __m512i* kt;
@@ -226,7 +219,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Ten
   TORCH_CHECK(prefill_attention_available(), "prefill_attention: built without AVX512-BF16");
   check_prefill_args("prefill_attention", q, kc, vc, bt, qstart, context);
   TORCH_CHECK(kc.size(2) % 16 == 0, "prefill_attention: blocks of a multiple of 16 keys");
-  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk, S = bt.size(0);
+  const int64_t Hq = q.size(1), Hk = kc.size(0), S = bt.size(0);
   auto out = at::empty({q.size(0), Hq, 64}, q.options());
 #ifdef PDSERVE_PREFILL_TILES
   const int64_t* qs = qstart.data_ptr<int64_t>();
@@ -267,18 +260,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Ten
       interleave_v(vp + at, valid, vt.data() + i * 32);
     }
   });
-  Ctx c{reinterpret_cast<const uint16_t*>(q.data_ptr()),
-        q.stride(0),
-        Hq,
-        Hk,
-        G,
-        qs,
-        cx,
-        static_cast<float>(scale),
-        reinterpret_cast<uint16_t*>(out.data_ptr()),
-        kt.data(),
-        vt.data(),
-        base.data()};
+  const Ctx c{prefill_rows(q, kc, qstart, context, scale, out), kt.data(), vt.data(), base.data()};
   run_by_cost(cost, [&] {
     return [&c, &tasks, sbuf = std::vector<float>(), pbuf = std::vector<uint16_t>()](
                int64_t i) mutable { run_task(c, tasks[i], sbuf, pbuf); };

@@ -88,13 +88,7 @@ void pack_v(const uint16_t* const* rows, int64_t valid, uint16_t* out) {
   }
 }
 
-struct Ctx {
-  const uint16_t* q;
-  int64_t qs, Hq, Hk, G;
-  const int64_t* qstart;
-  const int* ctx;
-  float scale;
-  uint16_t* out;
+struct Ctx : PrefillRows {
   // packed blocks: sequence s's key block kb of head h at (base[s] + kb) * Hk + h
   const uint32_t* kpack;
   const uint16_t* vpack;
@@ -229,7 +223,7 @@ at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, 
   TORCH_CHECK(prefill_attention_brgemm_available(),
               "prefill_attention_brgemm: oneDNN's bf16 brgemm micro-kernel is not usable here");
   check_prefill_args("prefill_attention_brgemm", q, kc, vc, bt, qstart, context);
-  const int64_t Hq = q.size(1), Hk = kc.size(0), G = Hq / Hk, S = bt.size(0);
+  const int64_t Hq = q.size(1), Hk = kc.size(0), S = bt.size(0);
   auto out = at::empty({q.size(0), Hq, 64}, q.options());
 #ifdef PDSERVE_PREFILL_BRGEMM
   const int64_t* qs = qstart.data_ptr<int64_t>();
@@ -275,18 +269,8 @@ at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, 
       pack_v(vrow, valid, vpack.data() + i * BN * D);
     }
   });
-  Ctx c{reinterpret_cast<const uint16_t*>(q.data_ptr()),
-        q.stride(0),
-        Hq,
-        Hk,
-        G,
-        qs,
-        cx,
-        static_cast<float>(scale),
-        reinterpret_cast<uint16_t*>(out.data_ptr()),
-        kpack.data(),
-        vpack.data(),
-        base.data()};
+  const Ctx c{prefill_rows(q, kc, qstart, context, scale, out), kpack.data(), vpack.data(),
+              base.data()};
   struct Worker {  // a thread's scratch; the AMX tiles released when its tasks are done
     const Ctx& c;
     const std::vector<Task>& tasks;

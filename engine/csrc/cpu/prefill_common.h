@@ -38,5 +38,31 @@ inline void check_prefill_args(const char* what, const at::Tensor& q, const at::
               ": one query_start per sequence plus one, one context each");
 }
 
+// What both kernels' tasks read of the call: q's rows (row stride qs), the head counts,
+// each sequence's query start and cached context, the scale and the output rows.
+// Each kernel's Ctx adds its packed K/V on top.
+struct PrefillRows {
+  const uint16_t* q;
+  int64_t qs, Hq, Hk, G;
+  const int64_t* qstart;
+  const int* ctx;
+  float scale;
+  uint16_t* out;
+};
+
+inline PrefillRows prefill_rows(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& qstart,
+                                const at::Tensor& context, double scale, at::Tensor& out) {
+  const int64_t Hq = q.size(1), Hk = kc.size(0);
+  return {reinterpret_cast<const uint16_t*>(q.data_ptr()),
+          q.stride(0),
+          Hq,
+          Hk,
+          Hq / Hk,
+          qstart.data_ptr<int64_t>(),
+          context.data_ptr<int>(),
+          static_cast<float>(scale),
+          reinterpret_cast<uint16_t*>(out.data_ptr())};
+}
+
 }  // namespace
 }  // namespace pdserve
