@@ -165,3 +165,19 @@ def test_tensor_parallel_size_reaches_the_engine_and_up_gives_it_to_every_node(
     assert c.node_args[i + 1] == "2"                       # every role's flags
     monkeypatch.setenv("PDSERVE_TENSOR_PARALLEL_SIZE", "4")
     assert config().tensor_parallel_size == 4
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "aggregated"])
+def test_step_budget_default_is_the_roles(role, monkeypatch):
+    """A prefill node takes twice the token budget of a node that decodes (it has no decode
+    rows waiting on its steps); a flag or the env variable still sets it for any role."""
+    from launch.commands.node_options import MAX_NUM_BATCHED_TOKENS, ROLE_MAX_NUM_BATCHED_TOKENS
+
+    monkeypatch.delenv("PDSERVE_MAX_NUM_BATCHED_TOKENS", raising=False)
+    default = engine_config_from_args(parse(role, "--model", "/m")).max_num_batched_tokens
+    assert default == ROLE_MAX_NUM_BATCHED_TOKENS.get(role, MAX_NUM_BATCHED_TOKENS)
+    assert (default > MAX_NUM_BATCHED_TOKENS) == (role == "prefill")
+    flag = parse(role, "--model", "/m", "--max-num-batched-tokens", "1024")
+    assert engine_config_from_args(flag).max_num_batched_tokens == 1024
+    monkeypatch.setenv("PDSERVE_MAX_NUM_BATCHED_TOKENS", "3000")
+    assert engine_config_from_args(parse(role, "--model", "/m")).max_num_batched_tokens == 3000
