@@ -29,7 +29,10 @@ if str(ROOT) not in sys.path:
 from bench.soak import SoakOptions, model_setup  # noqa: E402
 from bench.soak_faults import rss_kb  # noqa: E402
 
-QUIET_S = 8.0       # > HeapTrimmer.min_interval_s: a trimming node has trimmed by then
+# The nodes trim after TRIM_IDLE_S idle (PDSERVE_HEAP_TRIM_IDLE_S, unless --env sets it; a
+# node's default is 30 s), and the load pauses QUIET_S > that: a trimming node has trimmed.
+TRIM_IDLE_S = 3.0
+QUIET_S = 8.0
 
 
 async def _drive(http_url: str, model: str, vocab: int, n: int, concurrency: int,
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalCluster(LocalClusterConfig(
         model=str(folder), num_prefill=1, num_decode=1, http_port=0, grpc_port=0,
         cluster="rss", node_args=flags, run_dir=args.out / "run", restart_nodes=False))
-    env = dict(kv.split("=", 1) for kv in args.env)
+    env = {"PDSERVE_HEAP_TRIM_IDLE_S": f"{TRIM_IDLE_S:g}",
+           **dict(kv.split("=", 1) for kv in args.env)}
     if args.probe:
         (args.out / "memprobe").mkdir(exist_ok=True)
         env.update(PDSERVE_MEMPROBE=str(args.out / "memprobe"),

@@ -11,11 +11,20 @@ stayed flat. Decode steps carry one token per sequence and grew far less. MALLOC
 does not help: the pages sit in the main arena.
 
 `malloc_trim(0)` gives back the free pages inside the heap (madvise), not only its top. The
-engine thread calls `HeapTrimmer.after_step` after each loop iteration: it trims when the
-engine goes idle after work, at most once per `min_interval_s`, and once per
+engine thread calls `HeapTrimmer.after_step` after each loop iteration (every ~0.5 s while
+idle): it trims once the engine has been idle for `idle_s` after work, and once per
 `busy_interval_s` under load that never lets it idle. A trim costs about 0.2 ms per MB it
-gives back and under 1 ms when there is nothing to give back. Where the C library is not
-glibc (musl, macOS) it does nothing; PDSERVE_HEAP_TRIM=0 turns it off."""
+gives back and under 1 ms when there is nothing to give back; what it costs later is that
+the next step faults the pages it uses back in (several microseconds each in a VM).
+
+Why idle for a while, not the moment the engine idles (issue 36): a prefill node idles
+between bursts of requests, often for a few seconds while their decode runs elsewhere.
+Trimmed at once, every burst's first step faulted its whole working set back in: measured
+(pdserve up, 2 cores, bf16, bursts of 16 x 256-token prompts 5.5 s apart) 40-80k page
+faults a step against 9-25k without the trim, ~0.1-0.3 s of CPU a burst. The working set
+a node keeps between bursts is bounded by its step budget; a node quiet for `idle_s` gives
+it back. Where the C library is not glibc (musl, macOS) it does nothing;
+PDSERVE_HEAP_TRIM=0 turns it off, PDSERVE_HEAP_TRIM_IDLE_S sets `idle_s`."""
 
 from __future__ import annotations
 
@@ -43,31 +52,50 @@ def default_trimmer() -> HeapTrimmer:
     """A node's: glibc's malloc_trim, off with PDSERVE_HEAP_TRIM=0 (to measure without it,
     or with an allocator of its own preloaded)."""
     off = os.environ.get("PDSERVE_HEAP_TRIM", "1").strip().lower() in ("0", "off", "false")
-    return HeapTrimmer(trim=None if off else "glibc")
+    raw = os.environ.get("PDSERVE_HEAP_TRIM_IDLE_S", "").strip()
+    try:
+        idle_s = float(raw) if raw else IDLE_S
+    except ValueError:
+        raise ValueError(f"PDSERVE_HEAP_TRIM_IDLE_S must be a number of seconds, got {raw!r}"
+                         ) from None
+    if not idle_s >= 0:
+        raise ValueError(f"PDSERVE_HEAP_TRIM_IDLE_S must be >= 0, got {raw!r}")
+    return HeapTrimmer(idle_s=idle_s, trim=None if off else "glibc")
+
+
+IDLE_S = 30.0
 
 
 class HeapTrimmer:
-    def __init__(self, min_interval_s: float = 5.0, busy_interval_s: float = 60.0,
+    def __init__(self, idle_s: float = IDLE_S, busy_interval_s: float = 60.0,
                  trim: Callable[[], int] | Literal["glibc"] | None = "glibc",
                  clock: Callable[[], float] = time.monotonic):
         """trim: the call that gives memory back ("glibc": its malloc_trim, None where the C
         library has none; None: never trim)."""
-        self.min_interval_s = min_interval_s
+        self.idle_s = idle_s
         self.busy_interval_s = busy_interval_s
         self._trim = glibc_malloc_trim() if trim == "glibc" else trim
         self.clock = clock
         self._last = clock()
         self._worked = False            # a step ran since the last trim
+        self._idle_since: float | None = None     # when the current idle spell began
         self.trims = 0
 
     def after_step(self, worked: bool, idle: bool) -> bool:
         """After one loop iteration (`worked`: it ran a step; `idle`: the engine has nothing
         left to do). Returns whether it trimmed."""
+        now = self.clock()
         self._worked = self._worked or worked
+        if not idle:
+            self._idle_since = None
+        elif worked or self._idle_since is None:
+            self._idle_since = now          # the idle spell starts after this step
         if self._trim is None or not self._worked:
             return False
-        since = self.clock() - self._last
-        if since < (self.min_interval_s if idle else self.busy_interval_s):
+        if idle:
+            if now - self._idle_since < self.idle_s:
+                return False
+        elif now - self._last < self.busy_interval_s:
             return False
         started = time.perf_counter()
         self._trim()

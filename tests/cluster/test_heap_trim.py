@@ -26,25 +26,50 @@ class Clock:
         return self.now
 
 
-def test_trims_when_idle_after_work_at_most_once_per_interval_and_under_steady_load():
+def test_trims_once_idle_for_a_while_after_work_and_under_steady_load():
     clock, calls = Clock(), []
-    t = HeapTrimmer(min_interval_s=5.0, busy_interval_s=60.0,
+    t = HeapTrimmer(idle_s=30.0, busy_interval_s=60.0,
                     trim=lambda: calls.append(clock.now) or 1, clock=clock)
-    clock.now += 10
+    clock.now += 100
     assert not t.after_step(worked=False, idle=True)          # no work since: nothing freed
-    assert t.after_step(worked=True, idle=True) and calls == [110.0]
+    assert not t.after_step(worked=True, idle=True)           # went idle just now: a burst's
+    for _ in range(59):                                       # gap keeps its working set
+        clock.now += 0.5
+        assert not t.after_step(worked=False, idle=True)
+    clock.now += 0.5
+    assert t.after_step(worked=False, idle=True) and calls == [230.0]   # idle 30 s
+    clock.now += 0.5
+    assert not t.after_step(worked=False, idle=True)          # nothing worked since
+    clock.now += 10
+    assert not t.after_step(worked=True, idle=False)          # work again...
+    clock.now += 20
+    assert not t.after_step(worked=False, idle=True)          # ...idle 20 s: not yet
+    assert not t.after_step(worked=True, idle=True)           # a step restarts the spell
+    clock.now += 29
+    assert not t.after_step(worked=False, idle=True)
     clock.now += 1
-    assert not t.after_step(worked=True, idle=True)           # within 5 s of the last one
-    clock.now += 5
-    assert t.after_step(worked=False, idle=True)              # the work above, trimmed now
+    assert t.after_step(worked=False, idle=True) and calls == [230.0, 290.5]
     for _ in range(59):                                       # busy, never idle: once a
         clock.now += 1                                        # minute
         assert not t.after_step(worked=True, idle=False)
     clock.now += 1
     assert t.after_step(worked=True, idle=False)
-    assert t.trims == 3 and calls == [110.0, 116.0, 176.0]
+    assert t.trims == 3 and calls == [230.0, 290.5, 350.5]
     clock.now += 100
     assert not HeapTrimmer(trim=None, clock=clock).after_step(True, True)   # no C library
+
+
+def test_idle_time_from_the_environment(monkeypatch):
+    from cluster.heap_trim import IDLE_S, default_trimmer
+
+    monkeypatch.delenv("PDSERVE_HEAP_TRIM_IDLE_S", raising=False)
+    assert default_trimmer().idle_s == IDLE_S
+    monkeypatch.setenv("PDSERVE_HEAP_TRIM_IDLE_S", "2.5")
+    assert default_trimmer().idle_s == 2.5
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("PDSERVE_HEAP_TRIM_IDLE_S", bad)
+        with pytest.raises(ValueError, match="PDSERVE_HEAP_TRIM_IDLE_S"):
+            default_trimmer()
 
 
 class _FakeInbox:
@@ -74,7 +99,7 @@ class _FakeEngine:
 def test_the_engine_loop_trims_once_it_goes_idle_after_steps():
     trimmed = threading.Event()
     loop = EngineLoop(_FakeEngine(3), trimmer=HeapTrimmer(
-        min_interval_s=0.0, trim=lambda: trimmed.set() or 1)).start()
+        idle_s=0.0, trim=lambda: trimmed.set() or 1)).start()
     try:
         assert trimmed.wait(5), "the loop went idle after 3 steps without trimming"
     finally:
@@ -125,7 +150,7 @@ _FRAGMENTING_STEPS = textwrap.dedent("""
 
     libc.free(libc.malloc(16 << 20))
     trim = sys.argv[1] == "trim"
-    trimmer = HeapTrimmer(min_interval_s=0.0, trim="glibc" if trim else (lambda: 0))
+    trimmer = HeapTrimmer(idle_s=0.0, trim="glibc" if trim else (lambda: 0))
     engine = Engine()
     before = rss_mb()
     loop = EngineLoop(engine, trimmer=trimmer).start()
