@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
-from cluster.engine_loop import EngineLoop
+from cluster.engine_loop import PREFILL_ADMIT_WINDOW, EngineLoop
 from cluster.kv_transfer.base import DEFAULT_CHUNK_BYTES, KvTransport
 from cluster.kv_transfer.handoff import TurnHandoffs
 from cluster.node_metrics import NodeMetrics
@@ -53,6 +53,7 @@ class PrefillNode:
         self.metrics = NodeMetrics("prefill", node_id, self.engine, core_share=core_share,
                                    handoffs=self.handoffs)
         self.loop = EngineLoop(self.engine, name="prefill", observer=self.metrics.observer,
+                               admit_window=PREFILL_ADMIT_WINDOW,
                                step_gate=core_share,
                                before_release=self.handoffs.wait if self.handoffs else None)
         self.service = PrefillService(self.engine, transport, self.fingerprint,

@@ -16,15 +16,24 @@ WAIT_S = 30.0
 
 
 class _Inbox:
+    """Says how many commands wait, as engine/commands.py's CommandInbox does."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
     def attach(self, wake):
         self.wake = wake
+
+    def __len__(self) -> int:
+        with self.engine.lock:
+            return len(self.engine.pending)
 
 
 class _Engine:
     """Each step takes every request submitted so far as one batch."""
 
     def __init__(self):
-        self.inbox = _Inbox()
+        self.inbox = _Inbox(self)
         self.pending: list[str] = []
         self.batches: list[list[str]] = []
         self.lock = threading.Lock()
@@ -51,8 +60,8 @@ class _Engine:
         return []
 
 
-def _loop(engine: _Engine, quiet: float, most: float) -> EngineLoop:
-    return EngineLoop(engine, admit_window=(quiet, most)).start()
+def _loop(engine: _Engine, quiet: float, most: float, *burst: float) -> EngineLoop:
+    return EngineLoop(engine, admit_window=(quiet, most, *burst)).start()
 
 
 def test_a_burst_lands_in_one_step():
@@ -97,3 +106,35 @@ def test_a_lone_request_waits_the_quiet_time_not_the_window():
     finally:
         loop.stop()
 
+
+
+def test_a_burst_widens_the_quiet_time_over_a_gap():
+    """A second command within the quiet time makes it a burst: a later gap longer than the
+    quiet time (but within the burst's) no longer splits it (a prefill node's window)."""
+    engine = _Engine()
+    loop = _loop(engine, 0.5, WAIT_S, 10 * WAIT_S)
+    try:
+        engine.add("r0")
+        engine.add("r1")
+        time.sleep(1.0)              # twice the quiet time
+        engine.add("r2")
+        assert engine.first_step.wait(2 * WAIT_S)
+        assert engine.batches[0] == ["r0", "r1", "r2"]
+    finally:
+        loop.stop()
+
+
+def test_without_a_burst_the_gap_splits_the_steps():
+    engine = _Engine()
+    loop = _loop(engine, 0.05, WAIT_S, 10 * WAIT_S)
+    try:
+        engine.add("r0")
+        assert engine.first_step.wait(WAIT_S)    # a lone request: the quiet time only
+        engine.add("r1")
+        deadline = time.monotonic() + WAIT_S
+        while len(engine.batches) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.batches == [["r0"], ["r1"]]
+    finally:
+        loop.stop()
