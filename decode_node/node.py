@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
-from cluster.engine_loop import EngineLoop
+from cluster.engine_loop import ADMIT_MAX_S, ADMIT_QUIET_S, PREFILL_ADMIT_WINDOW, EngineLoop
 from cluster.kv_transfer.kv_receiver import KvReceiver
 from cluster.kv_transfer.limits import TcpLimits
 from cluster.node_metrics import NodeMetrics
@@ -48,8 +48,13 @@ class DecodeNode:
         self.metrics = NodeMetrics(role, node_id, self.engine,
                                    receiver=self.receiver if role == "decode" else None,
                                    core_share=core_share)
+        # an aggregated node prefills the router's requests itself: a burst of them shares
+        # its first step as on a prefill node; a decode node's arrivals are pushes whose
+        # first tokens should leave at once
+        window = PREFILL_ADMIT_WINDOW if role == "aggregated" else (ADMIT_QUIET_S, ADMIT_MAX_S)
         self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode",
-                               observer=self.metrics.observer, step_gate=core_share)
+                               observer=self.metrics.observer, step_gate=core_share,
+                               admit_window=window)
         if max_grpc_pushes is None:
             max_grpc_pushes = default_max_grpc_pushes(config.max_num_seqs)
         self.service = DecodeService(self.engine, self.receiver, self.streams, self.fingerprint,
