@@ -48,6 +48,9 @@ def glibc_malloc_trim() -> Callable[[], int] | None:
     return lambda: fn(0)
 
 
+IDLE_S = 30.0       # a node idle this long after work gives its heap's free pages back
+
+
 def default_trimmer() -> HeapTrimmer:
     """A node's: glibc's malloc_trim, off with PDSERVE_HEAP_TRIM=0 (to measure without it,
     or with an allocator of its own preloaded)."""
@@ -61,9 +64,6 @@ def default_trimmer() -> HeapTrimmer:
     if not idle_s >= 0:
         raise ValueError(f"PDSERVE_HEAP_TRIM_IDLE_S must be >= 0, got {raw!r}")
     return HeapTrimmer(idle_s=idle_s, trim=None if off else "glibc")
-
-
-IDLE_S = 30.0
 
 
 class HeapTrimmer:
