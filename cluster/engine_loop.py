@@ -43,6 +43,7 @@ ADMIT_MAX_S = 0.025
 # 1.60 s in that run against 1.88-2.02 s in the runs beside it without). A lone request
 # still waits only ADMIT_QUIET_S; commands are counted from the inbox, so two that land
 # between two wakes of the loop count as two.
+DEFAULT_ADMIT_WINDOW = (ADMIT_QUIET_S, ADMIT_MAX_S)
 PREFILL_ADMIT_WINDOW = (ADMIT_QUIET_S, 0.1, 0.045)     # aggregated nodes too: they prefill
 
 
@@ -52,7 +53,7 @@ class EngineLoop:
                  observer: Callable[[], None] | None = None,
                  step_gate: CoreShare | None = None,
                  before_release: Callable[[], object] | None = None,
-                 admit_window: tuple[float, ...] = (ADMIT_QUIET_S, ADMIT_MAX_S)):
+                 admit_window: tuple[float, ...] = DEFAULT_ADMIT_WINDOW):
         """trimmer: gives freed heap memory back to the OS after work (cluster/heap_trim.py;
         default: glibc's malloc_trim unless PDSERVE_HEAP_TRIM=0). observer: called on this
         thread after every pass (and when idle, every IDLE_WAIT_S). step_gate: a step runs
@@ -69,7 +70,6 @@ class EngineLoop:
         self.step_gate = step_gate
         self.before_release = before_release
         self._idle = True
-        self._woken = False          # the last idle wait ended on a command, not its timeout
         self.admit_quiet_s, self.admit_max_s = admit_window[:2]
         self.admit_burst_quiet_s = admit_window[2] if len(admit_window) > 2 else admit_window[0]
         self._wake = threading.Event()
@@ -99,7 +99,7 @@ class EngineLoop:
         while not self._stop.is_set():
             self._wake.clear()       # a command put after this sets it again: no lost wake
             if self._idle:           # once per idle spell, not on each wake for a turn
-                self._let_arrivals_settle(self._woken)
+                self._let_arrivals_settle()
                 self._idle = False
             if gate is not None and not self._take_turn():
                 continue
@@ -123,18 +123,18 @@ class EngineLoop:
             self._idle = not eng.has_work()
             self.trimmer.after_step(worked=bool(outputs), idle=self._idle)
             if self._idle:
-                self._woken = self._wake.wait(IDLE_WAIT_S)
+                self._wake.wait(IDLE_WAIT_S)
         # what was submitted before the stop still happens (blocks freed, aborts applied)
         self._deliver(eng.settle())
 
-    def _let_arrivals_settle(self, woken: bool) -> None:
+    def _let_arrivals_settle(self) -> None:
         """Wait while commands keep coming (each within the quiet time of the last; once two
         came, admit_burst_quiet_s), at most admit_max_s; the step that follows applies them
-        all. woken: a command ended the idle wait (it counts as the first)."""
+        all (until then they wait in the inbox, which counts them)."""
         if self.admit_quiet_s <= 0:
             return
         deadline = time.monotonic() + self.admit_max_s
-        arrived = int(woken)
+        arrived = 0
         while not self._stop.is_set():
             arrived = max(arrived, self._commands_waiting())
             quiet = self.admit_burst_quiet_s if arrived >= 2 else self.admit_quiet_s
@@ -171,7 +171,7 @@ class EngineLoop:
             return True
         self.trimmer.after_step(worked=bool(outputs), idle=not work)
         self._idle = not work
-        self._woken = self._wake.wait(IDLE_WAIT_S)
+        self._wake.wait(IDLE_WAIT_S)
         return False
 
     def _finish_turn(self) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cluster.core_share import CoreShare
 from cluster.discovery import NodeLoad
-from cluster.engine_loop import ADMIT_MAX_S, ADMIT_QUIET_S, PREFILL_ADMIT_WINDOW, EngineLoop
+from cluster.engine_loop import DEFAULT_ADMIT_WINDOW, PREFILL_ADMIT_WINDOW, EngineLoop
 from cluster.kv_transfer.kv_receiver import KvReceiver
 from cluster.kv_transfer.limits import TcpLimits
 from cluster.node_metrics import NodeMetrics
@@ -51,7 +51,7 @@ class DecodeNode:
         # an aggregated node prefills the router's requests itself: a burst of them shares
         # its first step as on a prefill node; a decode node's arrivals are pushes whose
         # first tokens should leave at once
-        window = PREFILL_ADMIT_WINDOW if role == "aggregated" else (ADMIT_QUIET_S, ADMIT_MAX_S)
+        window = PREFILL_ADMIT_WINDOW if role == "aggregated" else DEFAULT_ADMIT_WINDOW
         self.loop = EngineLoop(self.engine, outbox=self.streams.deliver, name="decode",
                                observer=self.metrics.observer, step_gate=core_share,
                                admit_window=window)
