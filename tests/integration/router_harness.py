@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,7 +242,12 @@ async def stream_killing_the_busy_decode(cluster, model: str, prompt: list[int],
                                                                          str | None, list[str]]:
     """Stream a greedy completion over HTTP; once 3 tokens arrived, `kill(node)` the one
     decode node serving it (awaited in a thread). (tokens, text, finish reason, the names
-    of the nodes killed: one, or none if the request finished first)."""
+    of the nodes killed: one, or none if the request finished first).
+
+    The decode nodes are stopped (SIGSTOP) the moment the third token arrives, and resumed
+    just before the kill: finding the busy one (a scrape of the router) takes long on a
+    loaded machine, and a node left running meanwhile could finish the whole request
+    first (it did: 480 tokens in 0.5 s, then nothing left to replay)."""
     tokens, text, finish, killed = [], "", None, []
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "return_token_ids": True}
@@ -259,11 +265,17 @@ async def stream_killing_the_busy_decode(cluster, model: str, prompt: list[int],
             text += choice["text"]
             finish = choice["finish_reason"] or finish
             if len(tokens) >= 3 and not killed:
-                busy = [n for n, v in (await asyncio.to_thread(
-                    router_inflight, cluster.http_url)).items()
-                    if n.startswith("decode") and v > 0]
-                assert len(busy) == 1, busy
-                await asyncio.to_thread(kill, next(c for c in cluster.nodes
-                                                   if c.name == busy[0]))
+                decodes = [c for c in cluster.nodes if c.name.startswith("decode")]
+                for node in decodes:
+                    node.signal(signal.SIGSTOP)
+                try:
+                    busy = [n for n, v in (await asyncio.to_thread(
+                        router_inflight, cluster.http_url)).items()
+                        if n.startswith("decode") and v > 0]
+                    assert len(busy) == 1, busy
+                finally:
+                    for node in decodes:
+                        node.signal(signal.SIGCONT)
+                await asyncio.to_thread(kill, next(c for c in decodes if c.name == busy[0]))
                 killed.append(busy[0])
     return tokens, text, finish, killed
