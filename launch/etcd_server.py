@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,7 +42,39 @@ def find_etcd_binary() -> str:
     return found
 
 
+# Ports handed out by free_port in this process: a picked port is bound only later, by
+# the process it is for, so two picks must not give the same one.
+_handed_out: set[int] = set()
+_PORT_SPAN = 8000
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, for a process started next to listen on. Picked
+    below the kernel's ephemeral range: a port the kernel picked (bind to 0) is one it
+    also gives to outgoing connections and other port-0 listeners, and one of those took
+    it while its process was still loading a model before binding (a test's prefill node:
+    "Address already in use" 4 s after the pick). Falls back to the kernel's pick."""
+    low = ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - _PORT_SPAN), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
