@@ -219,10 +219,21 @@ class Scheduler:
         return grew
 
     def check_stop(self, seq: Sequence, eos_token_ids: frozenset[int]) -> None:
-        token, p = seq.last_token, seq.params
-        if not p.ignore_eos and token in eos_token_ids:
-            self.finish(seq, "stop", None)
-        elif token in p.stop_token_ids:
-            self.finish(seq, "stop", token)
-        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-            self.finish(seq, "length")
+        stop = token_stop(seq.last_token, seq.params, eos_token_ids, seq.num_output_tokens,
+                          len(seq), self.max_model_len)
+        if stop is not None:
+            self.finish(seq, *stop)
+
+
+def token_stop(token: int, params, eos_token_ids: frozenset[int], num_output_tokens: int,
+               seq_len: int, max_model_len: int) -> tuple[str, int | None] | None:
+    """(finish reason, stop reason) when a sequence whose last token is `token` (its
+    `num_output_tokens`-th, `seq_len` tokens in all) ends on it, else None. Stop strings
+    are text, applied apart (the output processor, the router)."""
+    if not params.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if token in params.stop_token_ids:
+        return "stop", token
+    if num_output_tokens >= params.max_tokens or seq_len >= max_model_len:
+        return "length", None
+    return None

@@ -1,5 +1,10 @@
 """PrefillNode gRPC service (grpc.aio): Prefill with the layer-wise KV push, abort.
 
+Prefill streams the prompt's first token the moment it is sampled, then the reply once the
+push is acknowledged: the router shows that token to its client while the KV still
+travels (on one box, 150-300 ms for a burst's step), instead of after the push and the
+decode node's next step.
+
 The engine is reached only by commands (an AddRequest carrying the push target, an
 AbortRequest); failures carry their side in the trailers (cluster/rpc_status.py): a
 refusal by the decode node says `decode`, this node's own failure says `prefill`.
@@ -34,6 +39,7 @@ from cluster.rpc_status import DECODE, PREFILL, RpcFailure
 from engine.commands import AbortRequest
 from engine.pd_fingerprint import Fingerprint
 from engine.pd_prefill import push_request
+from engine.scheduler import token_stop
 from prefill_node.decode_gate import DecodeGate, OpenDecodeGate
 from protos import node_pb2, node_pb2_grpc
 
@@ -69,6 +75,16 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         return len(self.inflight)
 
     async def Prefill(self, request: node_pb2.PrefillRequest, context):
+        """The stream: a FirstToken as soon as the prompt's first token is sampled (when
+        it cannot end the request), then the PrefillReply once the push is acknowledged."""
+        reply = await self.prefill(request, context, early=context.write)
+        await context.write(node_pb2.PrefillEvent(reply=reply))
+
+    async def prefill(self, request: node_pb2.PrefillRequest, context, early=None
+                      ) -> node_pb2.PrefillReply:
+        """Run the prefill and the push; the reply once the decode node acknowledged it.
+        early: an async callable given the PrefillEvent of the first token, awaited as
+        soon as that token is sampled, while the push goes on (None: not sent)."""
         rid = request.request_id
         timer = RequestTimer(self.metrics, "prefill_node.Prefill", tracing.incoming(context),
                              rid)
@@ -124,6 +140,8 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         timer.seq = seq
         self.inflight[rid] = sender
         peer = request.decode_address
+        first = None if early is None else asyncio.ensure_future(
+            self._send_first(sender, params, len(request.prompt_token_ids), early))
         try:
             await self.transport.push(request.decode_address, sender.messages())
         except PushFailed as exc:
@@ -152,6 +170,10 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
         finally:
             sender.end()
             self.inflight.pop(rid, None)
+            if first is not None and not first.done():
+                if sender.first_token is None:    # failed before its token: none to send
+                    first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
         if self.metrics is not None:      # the push's own time: first layer -> the reply
             began = sender.first_layer_at
             self.metrics.pushed(peer, sender.num_bytes,
@@ -167,6 +189,20 @@ class PrefillService(node_pb2_grpc.PrefillNodeServicer):
                  rid, len(request.prompt_token_ids), len(sender.blocks_pushed),
                  sender.num_bytes / 1e6, request.decode_address)
         return reply
+
+    async def _send_first(self, sender: PushSender, params, prompt_len: int, write) -> None:
+        """The first token, to the router at once, unless it ends the request (EOS, a stop
+        token id, max_tokens 1, max_model_len): then only the decode node's stream carries
+        it, with the finish. The decode node repeats a token sent here as its first."""
+        token, logprob = await sender.sampled
+        eng = self.engine
+        if token_stop(token, params, eng.eos_token_ids, 1, prompt_len + 1,
+                      eng.max_model_len) is not None:
+            return
+        event = node_pb2.FirstToken(token_id=token)
+        if logprob is not None:
+            event.logprob.CopyFrom(logprob_to_proto(logprob))
+        await write(node_pb2.PrefillEvent(first_token=event))
 
     @staticmethod
     def _invalid(request: node_pb2.PrefillRequest) -> str | None:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/node.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xb2\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\"\n\x03mtp\x18\x08 \x01(\x0b\x32\x15.pdserve.v1.MtpConfig\"V\n\tMtpConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x18\n\x10num_draft_layers\x18\x03 \x01(\r\"\xca\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x34\n\x13prefill_fingerprint\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x14\n\x0cself_prefill\x18\x06 \x01(\x08\"\xa7\x01\n\x0bReservation\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12,\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x12\n\npush_token\x18\x06 \x01(\x0c\"\xc7\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"p\n\x0b\x44\x65\x63odeEvent\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x42\x07\n\x05\x65vent\"\xa5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x33\n\x12\x64\x65\x63ode_fingerprint\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x12\n\npush_token\x18\t \x01(\x0c\x12\x10\n\x08lease_ms\x18\n \x01(\r\"\xa6\x01\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_pushed_blocks\x18\x03 \x01(\r\x12\x14\n\x0cpushed_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x05 \x01(\r\"\x8d\x01\n\nPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12,\n\x0b\x66ingerprint\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\npush_token\x18\x05 \x01(\x0c\"\x8d\x01\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.pdserve.v1.KvKind\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\r\n\x05shape\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x12\n\nnum_layers\x18\x07 \x01(\r\"s\n\nMtpPayload\x12\x19\n\x11last_hidden_state\x18\x01 \x01(\x0c\x12\x14\n\x0chidden_shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12%\n\x08\x64raft_kv\x18\x04 \x03(\x0b\x32\x13.pdserve.v1.KvChunk\"\x8c\x01\n\x08PushDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12#\n\x03mtp\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.MtpPayload\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\"\x0f\n\rPushKeepalive\"\xbc\x01\n\rKvPushMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.PushHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.PushDoneH\x00\x12.\n\tkeepalive\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PushKeepaliveH\x00\x42\x05\n\x03msg\"5\n\x07PushAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\"^\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\npush_token\x18\x04 \x01(\x0c\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fNodeInfoRequest\"\xc2\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12,\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x16\n\x0ekv_tcp_address\x18\x06 \x01(\t\x12\x17\n\x0fkv_local_socket\x18\x07 \x01(\t\x12\x0f\n\x07host_id\x18\x08 \x01(\t*C\n\x06KvKind\x12\x0f\n\x0bKV_KIND_KEY\x10\x00\x12\x11\n\rKV_KIND_VALUE\x10\x01\x12\x15\n\x11KV_KIND_KEY_VALUE\x10\x02\x32\x91\x02\n\nDecodeNode\x12?\n\x06\x44\x65\x63ode\x12\x1a.pdserve.v1.ReserveRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12:\n\x06PushKv\x12\x19.pdserve.v1.KvPushMessage\x1a\x13.pdserve.v1.PushAck(\x01\x12\x44\n\x10\x41\x62ortReservation\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12@\n\x0bGetNodeInfo\x12\x1b.pdserve.v1.NodeInfoRequest\x1a\x14.pdserve.v1.NodeInfo2\xd2\x01\n\x0bPrefillNode\x12?\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillReply\x12@\n\x0c\x41\x62ortPrefill\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12@\n\x0bGetNodeInfo\x12\x1b.pdserve.v1.NodeInfoRequest\x1a\x14.pdserve.v1.NodeInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/node.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xb2\x01\n\x0b\x46ingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\"\n\x03mtp\x18\x08 \x01(\x0b\x32\x15.pdserve.v1.MtpConfig\"V\n\tMtpConfig\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x18\n\x10num_draft_layers\x18\x03 \x01(\r\"\xca\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x34\n\x13prefill_fingerprint\x18\x04 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x14\n\x0cself_prefill\x18\x06 \x01(\x08\"\xa7\x01\n\x0bReservation\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\r\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12,\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x12\n\npush_token\x18\x06 \x01(\x0c\"\xc7\x01\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"p\n\x0b\x44\x65\x63odeEvent\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x42\x07\n\x05\x65vent\"\xa5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x16\n\x0ereservation_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x33\n\x12\x64\x65\x63ode_fingerprint\x18\x08 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x12\n\npush_token\x18\t \x01(\x0c\x12\x10\n\x08lease_ms\x18\n \x01(\r\"\xa6\x01\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_pushed_blocks\x18\x03 \x01(\r\x12\x14\n\x0cpushed_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x05 \x01(\r\"I\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"q\n\x0cPrefillEvent\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12)\n\x05reply\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.PrefillReplyH\x00\x42\x07\n\x05\x65vent\"\x8d\x01\n\nPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12,\n\x0b\x66ingerprint\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\npush_token\x18\x05 \x01(\x0c\"\x8d\x01\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.pdserve.v1.KvKind\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\r\n\x05shape\x18\x04 \x03(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x12\n\nnum_layers\x18\x07 \x01(\r\"s\n\nMtpPayload\x12\x19\n\x11last_hidden_state\x18\x01 \x01(\x0c\x12\x14\n\x0chidden_shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12%\n\x08\x64raft_kv\x18\x04 \x03(\x0b\x32\x13.pdserve.v1.KvChunk\"\x8c\x01\n\x08PushDone\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12#\n\x03mtp\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.MtpPayload\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\"\x0f\n\rPushKeepalive\"\xbc\x01\n\rKvPushMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.PushHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvChunkH\x00\x12$\n\x04\x64one\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.PushDoneH\x00\x12.\n\tkeepalive\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.PushKeepaliveH\x00\x42\x05\n\x03msg\"5\n\x07PushAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\"^\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\npush_token\x18\x04 \x01(\x0c\"\x1b\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fNodeInfoRequest\"\xc2\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12,\n\x0b\x66ingerprint\x18\x05 \x01(\x0b\x32\x17.pdserve.v1.Fingerprint\x12\x16\n\x0ekv_tcp_address\x18\x06 \x01(\t\x12\x17\n\x0fkv_local_socket\x18\x07 \x01(\t\x12\x0f\n\x07host_id\x18\x08 \x01(\t*C\n\x06KvKind\x12\x0f\n\x0bKV_KIND_KEY\x10\x00\x12\x11\n\rKV_KIND_VALUE\x10\x01\x12\x15\n\x11KV_KIND_KEY_VALUE\x10\x02\x32\x91\x02\n\nDecodeNode\x12?\n\x06\x44\x65\x63ode\x12\x1a.pdserve.v1.ReserveRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12:\n\x06PushKv\x12\x19.pdserve.v1.KvPushMessage\x1a\x13.pdserve.v1.PushAck(\x01\x12\x44\n\x10\x41\x62ortReservation\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12@\n\x0bGetNodeInfo\x12\x1b.pdserve.v1.NodeInfoRequest\x1a\x14.pdserve.v1.NodeInfo2\xd4\x01\n\x0bPrefillNode\x12\x41\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12@\n\x0c\x41\x62ortPrefill\x12\x18.pdserve.v1.AbortRequest\x1a\x16.pdserve.v1.AbortReply\x12@\n\x0bGetNodeInfo\x12\x1b.pdserve.v1.NodeInfoRequest\x1a\x14.pdserve.v1.NodeInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVKIND']._serialized_start=2631
-  _globals['_KVKIND']._serialized_end=2698
+  _globals['_KVKIND']._serialized_start=2821
+  _globals['_KVKIND']._serialized_end=2888
   _globals['_FINGERPRINT']._serialized_start=55
   _globals['_FINGERPRINT']._serialized_end=233
   _globals['_MTPCONFIG']._serialized_start=235
@@ -50,30 +50,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_end=1308
   _globals['_PREFILLREPLY']._serialized_start=1311
   _globals['_PREFILLREPLY']._serialized_end=1477
-  _globals['_PUSHHEADER']._serialized_start=1480
-  _globals['_PUSHHEADER']._serialized_end=1621
-  _globals['_KVCHUNK']._serialized_start=1624
-  _globals['_KVCHUNK']._serialized_end=1765
-  _globals['_MTPPAYLOAD']._serialized_start=1767
-  _globals['_MTPPAYLOAD']._serialized_end=1882
-  _globals['_PUSHDONE']._serialized_start=1885
-  _globals['_PUSHDONE']._serialized_end=2025
-  _globals['_PUSHKEEPALIVE']._serialized_start=2027
-  _globals['_PUSHKEEPALIVE']._serialized_end=2042
-  _globals['_KVPUSHMESSAGE']._serialized_start=2045
-  _globals['_KVPUSHMESSAGE']._serialized_end=2233
-  _globals['_PUSHACK']._serialized_start=2235
-  _globals['_PUSHACK']._serialized_end=2288
-  _globals['_ABORTREQUEST']._serialized_start=2290
-  _globals['_ABORTREQUEST']._serialized_end=2384
-  _globals['_ABORTREPLY']._serialized_start=2386
-  _globals['_ABORTREPLY']._serialized_end=2413
-  _globals['_NODEINFOREQUEST']._serialized_start=2415
-  _globals['_NODEINFOREQUEST']._serialized_end=2432
-  _globals['_NODEINFO']._serialized_start=2435
-  _globals['_NODEINFO']._serialized_end=2629
-  _globals['_DECODENODE']._serialized_start=2701
-  _globals['_DECODENODE']._serialized_end=2974
-  _globals['_PREFILLNODE']._serialized_start=2977
-  _globals['_PREFILLNODE']._serialized_end=3187
+  _globals['_FIRSTTOKEN']._serialized_start=1479
+  _globals['_FIRSTTOKEN']._serialized_end=1552
+  _globals['_PREFILLEVENT']._serialized_start=1554
+  _globals['_PREFILLEVENT']._serialized_end=1667
+  _globals['_PUSHHEADER']._serialized_start=1670
+  _globals['_PUSHHEADER']._serialized_end=1811
+  _globals['_KVCHUNK']._serialized_start=1814
+  _globals['_KVCHUNK']._serialized_end=1955
+  _globals['_MTPPAYLOAD']._serialized_start=1957
+  _globals['_MTPPAYLOAD']._serialized_end=2072
+  _globals['_PUSHDONE']._serialized_start=2075
+  _globals['_PUSHDONE']._serialized_end=2215
+  _globals['_PUSHKEEPALIVE']._serialized_start=2217
+  _globals['_PUSHKEEPALIVE']._serialized_end=2232
+  _globals['_KVPUSHMESSAGE']._serialized_start=2235
+  _globals['_KVPUSHMESSAGE']._serialized_end=2423
+  _globals['_PUSHACK']._serialized_start=2425
+  _globals['_PUSHACK']._serialized_end=2478
+  _globals['_ABORTREQUEST']._serialized_start=2480
+  _globals['_ABORTREQUEST']._serialized_end=2574
+  _globals['_ABORTREPLY']._serialized_start=2576
+  _globals['_ABORTREPLY']._serialized_end=2603
+  _globals['_NODEINFOREQUEST']._serialized_start=2605
+  _globals['_NODEINFOREQUEST']._serialized_end=2622
+  _globals['_NODEINFO']._serialized_start=2625
+  _globals['_NODEINFO']._serialized_end=2819
+  _globals['_DECODENODE']._serialized_start=2891
+  _globals['_DECODENODE']._serialized_end=3164
+  _globals['_PREFILLNODE']._serialized_start=3167
+  _globals['_PREFILLNODE']._serialized_end=3379
 # @@protoc_insertion_point(module_scope)

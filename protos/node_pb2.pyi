@@ -141,6 +141,22 @@ class PrefillReply(_message.Message):
     prefix_cached_tokens: int
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., num_pushed_blocks: _Optional[int] = ..., pushed_bytes: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
 
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "reply")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    reply: PrefillReply
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., reply: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...
+
 class PushHeader(_message.Message):
     __slots__ = ("request_id", "reservation_id", "fingerprint", "block_ids", "push_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -250,10 +250,10 @@ class PrefillNodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdserve.v1.PrefillNode/Prefill',
                 request_serializer=protos_dot_node__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_node__pb2.PrefillReply.FromString,
+                response_deserializer=protos_dot_node__pb2.PrefillEvent.FromString,
                 _registered_method=True)
         self.AbortPrefill = channel.unary_unary(
                 '/pdserve.v1.PrefillNode/AbortPrefill',
@@ -272,8 +272,11 @@ class PrefillNodeServicer:
 
     def Prefill(self, request, context):
         """Run the prompt's prefill and push its KV to the decode node named in the request.
-        Returns when the decode node acknowledged the whole push. A decode-side refusal fails
-        this call with the decode node's status and message; any failure sends
+        Streams a FirstToken the moment the prompt's first token is sampled (only when that
+        token cannot end the request: not an end-of-sequence or stop token id, max_tokens > 1,
+        room left in max_model_len), while its KV still travels; then one PrefillReply when the
+        decode node acknowledged the whole push, and the stream ends. A decode-side refusal
+        fails this call with the decode node's status and message; any failure sends
         AbortReservation to the decode node so its blocks return to the pool.
         A decode_address that is not a registered decode node (discovery, or the node's
         allow-list) is refused with PERMISSION_DENIED before anything is dialed.
@@ -299,10 +302,10 @@ class PrefillNodeServicer:
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=protos_dot_node__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_node__pb2.PrefillReply.SerializeToString,
+                    response_serializer=protos_dot_node__pb2.PrefillEvent.SerializeToString,
             ),
             'AbortPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortPrefill,
@@ -336,12 +339,12 @@ class PrefillNode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdserve.v1.PrefillNode/Prefill',
             protos_dot_node__pb2.PrefillRequest.SerializeToString,
-            protos_dot_node__pb2.PrefillReply.FromString,
+            protos_dot_node__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,10 +89,12 @@ class RouterMetrics:
                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         # where a request's time to first token goes, measured at the router: queue (arrival
         # -> a unit picked, admission waits included), reserve (Decode call -> Reservation),
-        # prefill (Reservation -> Prefill's reply: the prefill node's queue, its forward and
-        # the KV push), first_token (Prefill's reply -> the first token: admission on the
-        # decode node and its first step), aggregated (the call -> the first token on an
-        # aggregated node); docs/PERFORMANCE.md reads them under load (bench/serve.py)
+        # prefill (Reservation -> the first token the prefill node streams ahead of its push:
+        # its queue and forward; or, when it streams none, -> Prefill's reply, the KV push
+        # included), first_token (then -> the first token: ~0 when streamed ahead, else
+        # admission on the decode node and its first step), aggregated (the call -> the
+        # first token on an aggregated node); docs/PERFORMANCE.md reads them under load
+        # (bench/serve.py)
         self.phase = Histogram("pdserve_router_request_phase_seconds",
                                "Time of each phase before a request's first token",
                                ["phase"], buckets=_LATENCY_BUCKETS, registry=r)

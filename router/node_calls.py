@@ -122,12 +122,13 @@ def classify_failure(failure: RpcFailure, node: NodeState) -> Exception:
 
 
 def token_step(t, finish: str | None, params: SamplingParams, original: SamplingParams,
-               cached: int, first_attempt: bool, meta: dict) -> StepOutput:
+               cached: int, first_attempt: bool, meta: dict, skip: int = 0) -> StepOutput:
     """A node's TokenEvent `t` (finish already decoded) as the router's StepOutput; the
-    same for a decode node's and an aggregated node's stream."""
+    same for a decode node's and an aggregated node's stream. skip: leading tokens (and
+    their logprobs) already streamed (the prefill node's first token)."""
     return StepOutput(
-        list(t.token_ids),
-        logprobs_from_proto(t.logprobs) if original.logprobs is not None else None,
+        list(t.token_ids)[skip:],
+        logprobs_from_proto(t.logprobs)[skip:] if original.logprobs is not None else None,
         finish_reason=finish,
         stop_reason=stop_reason_from_wire(t.stop_reason, params) if finish else None,
         num_cached_tokens=cached if first_attempt else 0,

@@ -41,8 +41,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from cluster import tracing
-from cluster.proto_convert import finish_from_proto, sampling_to_proto
-from cluster.rpc_status import DECODE, PREFILL, failure_of
+from cluster.proto_convert import finish_from_proto, logprobs_from_proto, sampling_to_proto
 from cluster.tls import TlsConfig
 from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
@@ -59,6 +58,7 @@ from router.node_calls import (  # noqa: F401 - ChannelCache: re-exported for ca
     token_step,
 )
 from router.node_pool import NodePool, NodeState
+from router.pd_calls import check_prefill, decode_result, prefill_reply
 from router.policies.base import RoutingPolicy, RoutingRequest
 
 log = logging.getLogger("pdserve.router")
@@ -252,7 +252,12 @@ class PdBackend:
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, lease_ms=self.lease_ms),
             metadata=tracing.outgoing())
         prefill: asyncio.Task | None = None
+        prefill_call = None
         read: asyncio.Future | None = None
+        # the prefill node's FirstToken, streamed ahead of its push's end; the decode
+        # node's stream then repeats that token as its first, which is dropped
+        early: asyncio.Future = asyncio.get_running_loop().create_future()
+        repeated: int | None = None      # the early token, until the decode node repeats it
         # discovery dropping the prefill node (hung: its lease ran out; or drained) ends a
         # pending prefill at once, instead of after the decode node's reservation lease
         prefill_gone = asyncio.ensure_future(self.pool.removal(pre.node_id).wait())
@@ -261,6 +266,7 @@ class PdBackend:
         prefill_open = True
         prefill_cached = 0
         finished = False
+        streamed_any = False             # a token of this attempt went to the client
         log.info("[%s] prefill %s -> decode %s (%d prompt tokens)", rid, pre.node_id,
                  dec.node_id, len(prompt))
         phases = PhaseClock(self.metrics.phase)
@@ -269,6 +275,8 @@ class PdBackend:
             while True:
                 pending_prefill = prefill is not None and prefill_open
                 waits = {read, prefill, prefill_gone} if pending_prefill else {read}
+                if pending_prefill and not early.done():
+                    waits.add(early)
                 done, _ = await asyncio.wait(
                     waits, timeout=None if pending_prefill else self.stall_timeout_s,
                     return_when=asyncio.FIRST_COMPLETED)
@@ -281,11 +289,22 @@ class PdBackend:
                     prefill_open = False
                     pre.inflight -= 1
                     phases.end("prefill")
-                    _check_prefill(prefill, pre, dec)
+                    check_prefill(prefill, pre, dec)
                     prefill_cached = prefill.result().prefix_cached_tokens
+                if early in done and repeated is None and not streamed_any:
+                    first = early.result()
+                    repeated = first.token_id
+                    streamed_any = True
+                    phases.end("prefill")
+                    phases.end("first_token")
+                    yield StepOutput(
+                        [first.token_id],
+                        logprobs_from_proto([first.logprob])
+                        if original.logprobs is not None else None,
+                        meta={"prefill": pre.node_id, "decode": dec.node_id})
                 if read not in done:
                     continue
-                event = await _decode_result(read, dec, prefill, pre)
+                event = await decode_result(read, dec, prefill, pre)
                 if event is grpc.aio.EOF:
                     raise NodeFailure(dec.node_id, "the token stream ended without a finish")
                 read = asyncio.ensure_future(call.read())
@@ -294,7 +313,7 @@ class PdBackend:
                     phases.end("reserve")
                     if on_reserved is not None:
                         on_reserved()
-                    prefill = asyncio.ensure_future(prefill_stub.Prefill(node_pb2.PrefillRequest(
+                    prefill_call = prefill_stub.Prefill(node_pb2.PrefillRequest(
                         request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                         decode_address=dec.address, reservation_id=r.reservation_id,
                         block_ids=r.block_ids, num_cached_blocks=r.num_cached_blocks,
@@ -302,7 +321,8 @@ class PdBackend:
                         # the reservation's secret: to the chosen prefill node only
                         push_token=r.push_token,
                         # the granted lease (a node may cap the ask): keepalives fit in it
-                        lease_ms=r.lease_ms), metadata=tracing.outgoing()))
+                        lease_ms=r.lease_ms), metadata=tracing.outgoing())
+                    prefill = asyncio.ensure_future(prefill_reply(prefill_call, early))
                     continue
                 t = event.tokens
                 finish = finish_from_proto(t.finish_reason)
@@ -314,8 +334,17 @@ class PdBackend:
                 cached = max(prefill_cached,
                              t.usage.cached_prompt_tokens if t.HasField("usage") else 0)
                 finished = finish is not None
-                yield token_step(t, finish, params, original, cached, first_attempt,
-                                 {"prefill": pre.node_id, "decode": dec.node_id})
+                skip = 0
+                if repeated is not None and t.token_ids:
+                    if t.token_ids[0] != repeated:
+                        raise NodeFailure(dec.node_id, f"its first token {t.token_ids[0]} is "
+                                          f"not the prefill node's {repeated}")
+                    skip, repeated = 1, None
+                streamed_any = True
+                step = token_step(t, finish, params, original, cached, first_attempt,
+                                  {"prefill": pre.node_id, "decode": dec.node_id}, skip)
+                if step.token_ids or finished:
+                    yield step
                 if finished:
                     return
         finally:
@@ -330,6 +359,8 @@ class PdBackend:
                     if fut is not None and not fut.done():
                         fut.cancel()
                 call.cancel()
+                if prefill_call is not None:
+                    prefill_call.cancel()
                 # Collect the cancelled calls' outcomes (a cancellation of this task itself
                 # still propagates out of gather).
                 await asyncio.gather(*(f for f in (read, prefill, prefill_gone)
@@ -347,33 +378,3 @@ def failure_cause(t: TryOther, request_id: str) -> tuple[str, str, str]:
 
 
 _VARYING = re.compile(r"\b[0-9a-f]*\d[0-9a-f]*\b")
-
-
-def _check_prefill(task: asyncio.Task, pre: NodeState, dec: NodeState) -> None:
-    """A finished Prefill call: fine, or the reason this attempt ends."""
-    if task.cancelled():
-        raise NodeFailure(pre.node_id, "the prefill call was cancelled")
-    exc = task.exception()
-    if exc is None:
-        return
-    if not isinstance(exc, grpc.aio.AioRpcError):
-        raise NodeFailure(pre.node_id, f"prefill call failed: {exc!r}")
-    failure = failure_of(exc, PREFILL)
-    raise classify_failure(failure, dec if failure.side == DECODE else pre)
-
-
-async def _decode_result(read: asyncio.Future, dec: NodeState, prefill: asyncio.Task | None,
-                         pre: NodeState):
-    try:
-        return read.result()
-    except grpc.aio.AioRpcError as exc:
-        failure = failure_of(exc, DECODE)
-        if failure.code == grpc.StatusCode.ABORTED and failure.side == PREFILL \
-                and prefill is not None:
-            # "prefill failed": the Prefill call carries the root cause (bad argument,
-            # fingerprint mismatch, a dead prefill node); it may land a moment later.
-            if not prefill.done():
-                await asyncio.wait({prefill}, timeout=5.0)
-            if prefill.done():
-                _check_prefill(prefill, pre, dec)
-        raise classify_failure(failure, pre if failure.side == PREFILL else dec) from None

@@ -44,6 +44,8 @@ class PdPair:
         self.transport = InProcessTransport()
         self.tcp = tcp
         self.token_events: dict[str, list[list[int]]] = {}   # rid -> each event's tokens
+        # rid -> the FirstToken the prefill node streamed ahead of its push's end
+        self.first_tokens: dict[str, node_pb2.FirstToken] = {}
         push_transport = self.transport
         if tcp:
             from cluster.kv_transfer.tcp_transport import TcpTransport
@@ -95,7 +97,10 @@ class PdPair:
             decode_fingerprint=res.fingerprint, push_token=res.push_token)
         if prefill_tamper is not None:
             prefill_tamper(req)
-        prefill = asyncio.ensure_future(self.prefill.service.Prefill(req, FakeContext()))
+        async def early(event: node_pb2.PrefillEvent) -> None:
+            self.first_tokens[rid] = event.first_token
+        prefill = asyncio.ensure_future(self.prefill.service.prefill(req, FakeContext(),
+                                                                     early=early))
         tokens, logprobs, finish = [], [], None
 
         async def read() -> None:

@@ -1,7 +1,8 @@
 """The prefill side of a push: engine-thread callbacks (engine.pd_prefill.KvSink) become
 an async stream of KvPushMessage: the header, each layer's K/V chunks as soon as the layer
 is written (or, `per_layer=False`, a step's layers together once its forward is done),
-then `done` with the first sampled token."""
+then `done` with the first sampled token. The token is also on `sampled` at once, for the
+prefill node to stream ahead of the push's end."""
 
 from __future__ import annotations
 
@@ -109,6 +110,9 @@ class PushSender:
         # where the push's own time starts (before it, the request queued or computed)
         self.first_layer_at: float | None = None
         self.token_ready = asyncio.Event()
+        # (token id, logprob) the moment the step sampled it, ahead of the chunks queued
+        # before it: the service streams it to the router while the KV still travels
+        self.sampled: asyncio.Future = loop.create_future()
         self.keepalive_s = keepalive_interval(lease_ms)
 
     # ---- engine thread (KvSink) ----------------------------------------------------
@@ -140,7 +144,12 @@ class PushSender:
                        mtp=None) -> None:
         # the prompt's last step: outstanding until the decode node answers (end())
         self._open_handoff()
+        self.loop.call_soon_threadsafe(self._sampled, token_id, logprob)   # runs first
         self._put(FirstToken(token_id, logprob, mtp))
+
+    def _sampled(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        if not self.sampled.done():
+            self.sampled.set_result((token_id, logprob))
 
     def on_error(self, exc: BaseException) -> None:
         self._put(PushError(exc))

@@ -50,7 +50,7 @@ class RecordingDecode(FakeDecode):
 class RecordingPrefill(FakePrefill):
     async def Prefill(self, request, context):
         self.shared.metadata.append(("prefill", dict(context.invocation_metadata())))
-        return await super().Prefill(request, context)
+        await super().Prefill(request, context)
 
 
 def _pd_request(tmp_path) -> list[tuple[str, dict]]:

@@ -5,7 +5,6 @@ each request's PrefillReply (pushed bytes and blocks) for the tests to check."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -26,44 +25,50 @@ class PdResult:
     finish_reason: str | None = None
     nodes: dict = field(default_factory=dict)     # which prefill / decode node served it
     prefill: node_pb2.PrefillReply | None = None  # the prefill node's reply to the router
+    first_token: node_pb2.FirstToken | None = None  # its first token, streamed ahead
     ttft_s: float = 0.0
     total_s: float = 0.0
 
 
 class _PrefillReplies:
-    """Keeps every successful PrefillNode.Prefill reply by request id, read in a done
-    callback, so the call the backend awaits is left as it is."""
+    """Keeps every PrefillNode.Prefill reply and early first token by request id, as the
+    backend reads the stream."""
 
     def __init__(self) -> None:
         self.replies: dict[str, node_pb2.PrefillReply] = {}
-        self._pending: set[asyncio.Task] = set()
+        self.first_tokens: dict[str, node_pb2.FirstToken] = {}
 
-    def watch(self, request_id: str, call) -> None:
-        call.add_done_callback(lambda c: self._keep(request_id, c))
+    def keep(self, request_id: str, event: node_pb2.PrefillEvent) -> None:
+        if event.HasField("reply"):
+            self.replies[request_id] = event.reply
+        elif event.HasField("first_token"):
+            self.first_tokens[request_id] = event.first_token
 
-    def _keep(self, request_id: str, call) -> None:
-        async def read():
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-                self.replies[request_id] = await call
-        task = asyncio.ensure_future(read())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
 
-    async def settle(self) -> None:
-        while self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+class _RecordedCall:
+    """A Prefill stream as the backend reads it (async iteration, cancel), its reply kept."""
+
+    def __init__(self, call, request_id: str, recorder: _PrefillReplies) -> None:
+        self.call, self.request_id, self.recorder = call, request_id, recorder
+
+    async def __aiter__(self):
+        async for event in self.call:
+            self.recorder.keep(self.request_id, event)
+            yield event
+
+    def cancel(self) -> bool:
+        return self.call.cancel()
 
 
 class _Prefill:
-    """A unary-unary multicallable whose calls the recorder watches."""
+    """A unary-stream multicallable whose calls the recorder watches."""
 
     def __init__(self, inner, recorder: _PrefillReplies) -> None:
         self.inner, self.recorder = inner, recorder
 
     def __call__(self, request, *args, **kwargs):
-        call = self.inner(request, *args, **kwargs)
-        self.recorder.watch(request.request_id, call)
-        return call
+        return _RecordedCall(self.inner(request, *args, **kwargs), request.request_id,
+                             self.recorder)
 
 
 class _Channel:
@@ -72,8 +77,8 @@ class _Channel:
     def __init__(self, inner: grpc.aio.Channel, recorder: _PrefillReplies) -> None:
         self._inner, self._recorder = inner, recorder
 
-    def unary_unary(self, method, *args, **kwargs):
-        mc = self._inner.unary_unary(method, *args, **kwargs)
+    def unary_stream(self, method, *args, **kwargs):
+        mc = self._inner.unary_stream(method, *args, **kwargs)
         name = method.decode() if isinstance(method, bytes) else method
         return _Prefill(mc, self._recorder) if name.endswith("/Prefill") else mc
 
@@ -119,9 +124,9 @@ async def generate_all(prefill_address: str, decode_address: str, prompts: list[
         outs = await asyncio.gather(*[
             _one(backend, NodeRequest(f"{prefix}-{i}", list(p), params))
             for i, p in enumerate(prompts)])
-        await recorder.settle()
     finally:
         await backend.close()
     for i, out in enumerate(outs):
         out.prefill = recorder.replies.get(f"{prefix}-{i}")
+        out.first_token = recorder.first_tokens.get(f"{prefix}-{i}")
     return outs

@@ -109,4 +109,8 @@ def test_pd_over_grpc_equals_single_node_llm(etcd, start_node, folder, kv_transp
         assert out.finish_reason == want.outputs[0].finish_reason
         assert len(out.logprobs) == len(out.token_ids)
         assert out.prefill is not None and out.prefill.pushed_bytes > 0
+        if len(out.token_ids) > 1:      # streamed ahead of the push, and not repeated
+            assert out.first_token is not None, f"prompt {i}: no early first token"
+            assert out.first_token.token_id == out.token_ids[0]
+            assert out.first_token.logprob.logprob == out.logprobs[0].logprob
     assert decode.terminate() == 0 and prefill.terminate() == 0

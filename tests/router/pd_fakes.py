@@ -52,6 +52,9 @@ class Shared:
         self.prefill_cancelled: list[str] = []     # Prefill calls cancelled by the router
         self.prefill_failed: set[str] = set()
         self.decodes: list[FakeDecode] = []
+        # set: an early-first-token prefill holds its "push" (the decode stream's start)
+        # until the test opens it
+        self.push_gate: asyncio.Event | None = None
 
     def event(self, rid: str) -> asyncio.Event:
         return self.prefilled.setdefault(rid, asyncio.Event())
@@ -112,11 +115,14 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None,
-                 hang: bool = False, reply_after: float = 0.0):
+                 hang: bool = False, reply_after: float = 0.0, early: bool = False,
+                 early_token: int | None = None):
         """reply_after: seconds between the push's end (the decode stream starts) and the
-        Prefill reply (a loaded prefill node)."""
+        Prefill reply (a loaded prefill node). early: stream the first token (the script's,
+        or `early_token`) before the push, as a prefill node does."""
         self.shared, self.fail, self.refuse, self.hang = shared, fail, refuse, hang
         self.reply_after = reply_after
+        self.early, self.early_token = early or early_token is not None, early_token
 
     async def Prefill(self, request, context):
         self.shared.prefill_requests.append(request)
@@ -129,13 +135,22 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
             self.shared.event(request.request_id).set()
             await asyncio.sleep(0.2)
             await context.abort(self.refuse, "prompt token 999 is outside the vocabulary")
+        if self.early:
+            token = self.early_token
+            if token is None:
+                token = model_next(list(request.prompt_token_ids))
+            await context.write(node_pb2.PrefillEvent(
+                first_token=node_pb2.FirstToken(token_id=token)))
+            if self.shared.push_gate is not None:
+                await self.shared.push_gate.wait()
         self.shared.event(request.request_id).set()
         try:
             await asyncio.sleep(self.reply_after)
         except asyncio.CancelledError:
             self.shared.prefill_cancelled.append(request.request_id)
             raise
-        return node_pb2.PrefillReply(first_token_id=0, num_pushed_blocks=2)
+        await context.write(node_pb2.PrefillEvent(
+            reply=node_pb2.PrefillReply(first_token_id=0, num_pushed_blocks=2)))
 
 
 async def _serve(servicer, add) -> tuple[grpc.aio.Server, str]:
