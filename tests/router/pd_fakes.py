@@ -116,13 +116,16 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, shared: Shared, fail: bool = False, refuse: grpc.StatusCode | None = None,
                  hang: bool = False, reply_after: float = 0.0, early: bool = False,
-                 early_token: int | None = None):
+                 early_token: int | None = None, early_late: bool = False):
         """reply_after: seconds between the push's end (the decode stream starts) and the
         Prefill reply (a loaded prefill node). early: stream the first token (the script's,
-        or `early_token`) before the push, as a prefill node does."""
+        or `early_token`) before the push, as a prefill node does; early_late: after the
+        push instead, once the decode stream has had time to start (a FirstToken that
+        lost the race)."""
         self.shared, self.fail, self.refuse, self.hang = shared, fail, refuse, hang
         self.reply_after = reply_after
         self.early, self.early_token = early or early_token is not None, early_token
+        self.early_late = early_late
 
     async def Prefill(self, request, context):
         self.shared.prefill_requests.append(request)
@@ -144,6 +147,10 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
             if self.shared.push_gate is not None:
                 await self.shared.push_gate.wait()
         self.shared.event(request.request_id).set()
+        if self.early_late:
+            await asyncio.sleep(0.1)
+            await context.write(node_pb2.PrefillEvent(first_token=node_pb2.FirstToken(
+                token_id=model_next(list(request.prompt_token_ids)))))
         try:
             await asyncio.sleep(self.reply_after)
         except asyncio.CancelledError:

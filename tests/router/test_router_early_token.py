@@ -42,6 +42,9 @@ def test_the_first_token_reaches_the_client_before_the_push_ends_and_once():
 def test_a_decode_stream_whose_first_token_is_not_the_streamed_one_fails_that_node():
     async def main():
         shared = Shared()
+        # the decode stream starts once the early token is out (else its first event may
+        # come first, and the router rightly ignores a late early token)
+        shared.push_gate = asyncio.Event()
         pool, backend, servers = await _cluster(shared, [{}], [{"early_token": 999}])
         backend.queue_timeout_s = 0.3     # the only decode node is dropped: give up soon
         tokens = []
@@ -49,6 +52,7 @@ def test_a_decode_stream_whose_first_token_is_not_the_streamed_one_fails_that_no
             async for step in backend.generate(NodeRequest("r1", PROMPT,
                                                            SamplingParams(max_tokens=6))):
                 tokens.extend(step.token_ids)
+                shared.push_gate.set()
         failures = backend.metrics.node_failures.labels("decode")._value.get()
         for s in servers:
             await s.stop(None)
@@ -58,3 +62,20 @@ def test_a_decode_stream_whose_first_token_is_not_the_streamed_one_fails_that_no
     tokens, failures = _run(main())
     assert tokens == [999], "nothing of the mismatched stream may reach the client"
     assert failures == 1
+
+
+def test_a_first_token_that_comes_after_the_decode_streams_is_not_sent_again():
+    async def main():
+        shared = Shared()
+        pool, backend, servers = await _cluster(shared, [{}], [{"early_late": True}])
+        tokens = []
+        # 30 tokens, one per 10 ms: the late FirstToken (100 ms) comes mid-stream
+        async for step in backend.generate(NodeRequest("r1", PROMPT,
+                                                       SamplingParams(max_tokens=30))):
+            tokens.extend(step.token_ids)
+        for s in servers:
+            await s.stop(None)
+        await backend.close()
+        return tokens
+
+    assert _run(main()) == _expected(PROMPT, 30)
