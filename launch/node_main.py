@@ -226,6 +226,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     node_id = args.node_id or default_node_id(role)
     metrics_address(args)            # a bad --metrics-listen fails before the model loads
     configure_tracing(args, f"pdserve-{role}")
+    from cluster.gc_pause import freeze_startup_objects
     from cluster.omp_threads import run_in_passing_thread, serial_torch_thread
 
     def load():
@@ -236,6 +237,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     # serially: the engine loop's thread keeps the only OpenMP team (cluster/omp_threads.py)
     node = run_in_passing_thread(load, name=f"{role}-load")
     serial_torch_thread()
+    freeze_startup_objects()         # full GC passes skip the model and torch (gc_pause.py)
     ranks = getattr(getattr(node, "engine", None), "ranks", None)
     if ranks is not None:
         ranks.on_lost = _exit_for_lost_rank

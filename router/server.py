@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.discovery.etcd_access import EtcdAccess
+from cluster.gc_pause import freeze_startup_objects
 from cluster.tls import TlsConfig
 from router.public_tls import PublicTls
 from router.rate_limit import RateLimit, RateLimiter
@@ -171,6 +172,7 @@ class Router:
 async def serve(config: RouterConfig) -> None:
     """Run until SIGTERM / SIGINT, then stop taking requests and finish those in flight."""
     router = Router(config)
+    freeze_startup_objects()     # full GC passes skip the tokenizer and imports (gc_pause.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
