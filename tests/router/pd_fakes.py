@@ -182,6 +182,7 @@ async def _cluster(shared, decodes: list[dict], prefills: list[dict], policy="ro
         servers.append(s)
         pool.upsert(NodeState(f"decode-{i}", "decode", addr, incarnation="x"))
     backend = PdBackend(pool, make_policy(policy), RouterMetrics(pool), max_model_len=512)
+    _LIVE.extend(servers)
     return pool, backend, servers
 
 
@@ -200,8 +201,20 @@ def _expected(prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+# servers _cluster started, stopped by _run even when the test body fails: a gRPC server
+# left running made pytest hang at exit (its final gc joined the server's poller thread)
+_LIVE: list[grpc.aio.Server] = []
+
+
 def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
+    async def guarded():
+        try:
+            return await asyncio.wait_for(coro, 30)
+        finally:
+            live, _LIVE[:] = list(_LIVE), []
+            for server in live:
+                await server.stop(None)
+    return asyncio.run(guarded())
 
 
 PROMPT = [11, 22, 33, 44, 55]

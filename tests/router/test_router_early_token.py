@@ -6,6 +6,7 @@ decode node. Over real gRPC against scripted nodes (tests/router/pd_fakes.py).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -15,22 +16,32 @@ from router.errors import NoNodeAvailable
 from tests.router.pd_fakes import PROMPT, Shared, _cluster, _expected, _run
 
 
+@contextlib.asynccontextmanager
+async def _pair(shared: Shared, prefill: dict):
+    """One scripted prefill + decode pair behind a PdBackend, stopped even when the test
+    fails (a server left running keeps pytest from exiting)."""
+    pool, backend, servers = await _cluster(shared, [{}], [prefill])
+    try:
+        yield backend
+    finally:
+        for server in servers:
+            await server.stop(None)
+        await backend.close()
+
+
 def test_the_first_token_reaches_the_client_before_the_push_ends_and_once():
     async def main():
         shared = Shared()
         shared.push_gate = asyncio.Event()        # the push ends only when opened below
-        pool, backend, servers = await _cluster(shared, [{}], [{"early": True}])
         steps = []
-        async for step in backend.generate(NodeRequest("r1", PROMPT,
-                                                       SamplingParams(max_tokens=6))):
-            if not steps:
-                # the decode node's stream cannot have started: the push is still held
-                assert not shared.event("r1").is_set()
-                shared.push_gate.set()
-            steps.append(step)
-        for s in servers:
-            await s.stop(None)
-        await backend.close()
+        async with _pair(shared, {"early": True}) as backend:
+            async for step in backend.generate(NodeRequest("r1", PROMPT,
+                                                           SamplingParams(max_tokens=6))):
+                if not steps:
+                    # the decode node's stream cannot have started: the push is still held
+                    assert not shared.event("r1").is_set()
+                    shared.push_gate.set()
+                steps.append(step)
         return steps
 
     steps = _run(main())
@@ -45,18 +56,15 @@ def test_a_decode_stream_whose_first_token_is_not_the_streamed_one_fails_that_no
         # the decode stream starts once the early token is out (else its first event may
         # come first, and the router rightly ignores a late early token)
         shared.push_gate = asyncio.Event()
-        pool, backend, servers = await _cluster(shared, [{}], [{"early_token": 999}])
-        backend.queue_timeout_s = 0.3     # the only decode node is dropped: give up soon
         tokens = []
-        with pytest.raises(NoNodeAvailable):
-            async for step in backend.generate(NodeRequest("r1", PROMPT,
-                                                           SamplingParams(max_tokens=6))):
-                tokens.extend(step.token_ids)
-                shared.push_gate.set()
-        failures = backend.metrics.node_failures.labels("decode")._value.get()
-        for s in servers:
-            await s.stop(None)
-        await backend.close()
+        async with _pair(shared, {"early_token": 999}) as backend:
+            backend.queue_timeout_s = 0.3     # the only decode node is dropped: give up soon
+            with pytest.raises(NoNodeAvailable):
+                async for step in backend.generate(NodeRequest(
+                        "r1", PROMPT, SamplingParams(max_tokens=6))):
+                    tokens.extend(step.token_ids)
+                    shared.push_gate.set()
+            failures = backend.metrics.node_failures.labels("decode")._value.get()
         return tokens, failures
 
     tokens, failures = _run(main())
@@ -67,15 +75,12 @@ def test_a_decode_stream_whose_first_token_is_not_the_streamed_one_fails_that_no
 def test_a_first_token_that_comes_after_the_decode_streams_is_not_sent_again():
     async def main():
         shared = Shared()
-        pool, backend, servers = await _cluster(shared, [{}], [{"early_late": True}])
         tokens = []
-        # 30 tokens, one per 10 ms: the late FirstToken (100 ms) comes mid-stream
-        async for step in backend.generate(NodeRequest("r1", PROMPT,
-                                                       SamplingParams(max_tokens=30))):
-            tokens.extend(step.token_ids)
-        for s in servers:
-            await s.stop(None)
-        await backend.close()
+        async with _pair(shared, {"early_late": True}) as backend:
+            # 30 tokens, one per 10 ms: the late FirstToken (100 ms) comes mid-stream
+            async for step in backend.generate(NodeRequest("r1", PROMPT,
+                                                           SamplingParams(max_tokens=30))):
+                tokens.extend(step.token_ids)
         return tokens
 
     assert _run(main()) == _expected(PROMPT, 30)
