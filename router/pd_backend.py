@@ -291,7 +291,7 @@ class PdBackend:
                     phases.end("prefill")
                     check_prefill(prefill, pre, dec)
                     prefill_cached = prefill.result().prefix_cached_tokens
-                if early in done and repeated is None and not streamed_any:
+                if early in done and not streamed_any:     # else it came too late
                     first = early.result()
                     repeated = first.token_id
                     streamed_any = True

@@ -109,7 +109,6 @@ class PushSender:
         # time.monotonic() when the first layer's KV was ready to send (None: none was):
         # where the push's own time starts (before it, the request queued or computed)
         self.first_layer_at: float | None = None
-        self.token_ready = asyncio.Event()
         # (token id, logprob) the moment the step sampled it, ahead of the chunks queued
         # before it: the service streams it to the router while the KV still travels
         self.sampled: asyncio.Future = loop.create_future()
@@ -189,12 +188,10 @@ class PushSender:
                     done.first_logprob.CopyFrom(logprob_to_proto(entry))
                 if event.mtp is not None:     # the decode node's draft starts from it
                     done.mtp.CopyFrom(handoff_to_proto(event.mtp, list(self.header.block_ids)))
-                self.token_ready.set()
                 yield node_pb2.KvPushMessage(done=done)
                 return
             else:
                 self.error = event.error
-                self.token_ready.set()
                 return
 
     async def _chunks(self, layers: tuple[LayerReady, ...]) -> list:
