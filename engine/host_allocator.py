@@ -7,6 +7,16 @@ fault in page by page and a munmap() on free; in a VM a page fault is costly, an
 (3.9 s -> 0.55 s per forward with this setting, 3x fewer page faults). Raising the mmap
 threshold and the trim threshold lets freed blocks be reused by the next layer.
 
+It also keeps every thread on the one main heap (M_ARENA_MAX = 1). A node steps its engine
+on a thread of its own, and glibc gives such a thread an arena of 64 MB heaps; a heap whose
+memory is all free again goes back to the OS at once, whatever the trim threshold, so a
+prefill step's temporaries (tens of MB a layer at 16 x 256 tokens) faulted their pages in
+afresh at every step: on a 2-core Xeon VM a served 16-prompt step took 50-90k page faults
+(a quarter of its time zeroing pages) against ~22k offline, where the engine runs on the
+main thread. With one arena the served step faults only its new KV blocks, as offline.
+The arena limit binds threads that first allocate after it is set: a node sets it at the
+start of its process (launch/node_main.py), before its threads.
+
 Process-wide and idempotent; a no-op where glibc's mallopt is missing (macOS, musl).
 Opt out with PDSERVE_NO_MALLOPT=1.
 """
@@ -22,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 _MMAP_THRESHOLD = 1 << 30      # allocations below 1 GiB come from the heap
 _TRIM_THRESHOLD = (1 << 31) - 1    # return memory to the OS only above ~2 GiB of free top
 _done = False
@@ -41,7 +52,8 @@ def keep_large_allocations_in_heap() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
-          and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1)
+          and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+          and mallopt(_M_ARENA_MAX, 1) == 1)
     if not ok:
         log.info("mallopt refused the heap settings; large host tensors use mmap")
     _done = ok
