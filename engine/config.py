@@ -13,6 +13,7 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None   # KV blocks; None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    kv_prefault: bool = False           # CPU: map the whole KV cache at start (kv_cache.zeroed)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None    # None: the model's max_position_embeddings

@@ -92,7 +92,8 @@ class LLMEngine:
         else:
             heads, k_dim, v_dim = mc.kv_layout
             self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim,
-                                    self.dtype, self.device.torch_device, v_head_dim=v_dim)
+                                    self.dtype, self.device.torch_device, v_head_dim=v_dim,
+                                    prefault=config.kv_prefault)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,

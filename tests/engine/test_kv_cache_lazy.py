@@ -23,3 +23,28 @@ def test_cpu_cache_is_zero_writable_and_not_resident_until_used():
     # (reading a page maps it, so the whole-tensor checks come after the measurement)
     assert k.count_nonzero() == 4 * 16 * 64
     assert not v.any() and not cache.layer(2)[0].any()     # layers do not share memory
+
+
+def test_prefaulted_cache_is_zero_and_resident_from_the_start():
+    """kv_prefault: every page mapped when the cache is made, so writing a block later
+    takes no page fault; the contents are the same zeros."""
+    import resource
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    before = _rss_bytes()
+    # 2 x 2 layers x [4 heads, 1024 blocks, 16, 64] float32 = 64 MiB
+    cache = KVCache(2, 1024, 16, 4, 64, torch.float32, torch.device("cpu"), prefault=True)
+    assert _rss_bytes() - before > 60 << 20           # resident without a write
+    k, v = cache.layer(1)
+    f0 = faults()
+    k.fill_(1.0)                                      # 16 MiB: 4,096 pages
+    written = faults() - f0
+    assert written < 4096 // 8, f"{written} faults writing a prefaulted layer"
+    assert not v.any() and not cache.layer(0)[0].any()
+
+    lazy = KVCache(1, 1024, 16, 4, 64, torch.float32, torch.device("cpu"))
+    f0 = faults()
+    lazy.layer(0)[0].fill_(1.0)
+    assert faults() - f0 > 4096 // 2                  # the lazy cache faults as it goes

@@ -37,6 +37,14 @@ def test_flags_reach_engine_config():
     assert config("--speculative-method", "none").speculative_method is None
 
 
+def test_nodes_prefault_their_kv_cache_unless_told_not_to(monkeypatch):
+    assert config().kv_prefault is True
+    assert config("--no-kv-prefault").kv_prefault is False
+    monkeypatch.setenv("PDSERVE_KV_PREFAULT", "0")
+    c = engine_config_from_args(build_parser().parse_args(["prefill", "--model", "/m"]))
+    assert c.kv_prefault is False
+
+
 def test_env_variables_are_read(monkeypatch):
     monkeypatch.setenv("PDSERVE_ENABLE_GRAPH", "1")
     monkeypatch.setenv("PDSERVE_SPECULATIVE_METHOD", "mtp")
