@@ -121,7 +121,7 @@ class EngineLoop:
                     gate.release()
             self._deliver(outputs)
             self._idle = not eng.has_work()
-            self.trimmer.after_step(worked=bool(outputs), idle=self._idle)
+            self._trim_heap(worked=bool(outputs), idle=self._idle)
             if self._idle:
                 self._wake.wait(IDLE_WAIT_S)
         # what was submitted before the stop still happens (blocks freed, aborts applied)
@@ -169,10 +169,16 @@ class EngineLoop:
             gate.request(self._wake.set)
         if gate.held:
             return True
-        self.trimmer.after_step(worked=bool(outputs), idle=not work)
+        self._trim_heap(worked=bool(outputs), idle=not work)
         self._idle = not work
         self._wake.wait(IDLE_WAIT_S)
         return False
+
+    def _trim_heap(self, worked: bool, idle: bool) -> None:
+        """Freed heap back to the OS (cluster/heap_trim.py); after a trim while idle the
+        engine maps the heap a step works in again, so the next burst does not fault it."""
+        if self.trimmer.after_step(worked=worked, idle=idle) and idle:
+            self.engine.refill_host_reserve()
 
     def _finish_turn(self) -> None:
         if self.before_release is None:

@@ -13,7 +13,9 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None   # KV blocks; None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
-    kv_prefault: bool = False           # CPU: map the whole KV cache at start (kv_cache.zeroed)
+    # CPU: map the KV cache (kv_cache.zeroed) and a step's working heap (host_allocator.
+    # touch_heap) at start, not at their first use; nodes do by default
+    prefault_memory: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None    # None: the model's max_position_embeddings

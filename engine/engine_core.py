@@ -37,6 +37,7 @@ from engine.device import Device
 from engine.dtype import resolve_dtype
 from engine.executor.graph_buckets import GraphOptions
 from engine.executor.graph_stats import executor_stats
+from engine.host_allocator import step_reserve_bytes, touch_heap
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
 from engine.layers import attention_choice
@@ -93,7 +94,7 @@ class LLMEngine:
             heads, k_dim, v_dim = mc.kv_layout
             self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim,
                                     self.dtype, self.device.torch_device, v_head_dim=v_dim,
-                                    prefault=config.kv_prefault)
+                                    prefault=config.prefault_memory)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
@@ -126,6 +127,24 @@ class LLMEngine:
         self._load_hashes_at = 0.0
         self.connector = connector(self) if connector is not None else None
         self._refresh_load()
+        self.host_reserve_bytes = 0     # the heap a step works in, touched at start
+        if config.prefault_memory and self.device.torch_device.type == "cpu":
+            self.host_reserve_bytes = self._step_reserve_bytes()
+            self.refill_host_reserve()
+
+    def refill_host_reserve(self) -> None:
+        """Map the step's working heap again (host_allocator.touch_heap): at start, and by
+        the engine loop after the heap trimmer gave its pages back while idle."""
+        touch_heap(self.host_reserve_bytes)
+
+    def _step_reserve_bytes(self) -> int:
+        mc, cfg = self.model_config, self.config
+        heads, k_dim, v_dim = mc.kv_layout
+        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, heads,
+                                            k_dim, self.dtype, v_head_dim=v_dim)
+        return step_reserve_bytes(cfg.max_num_batched_tokens, mc.hidden_size,
+                                  mc.intermediate_size, per_block // cfg.block_size,
+                                  self.dtype.itemsize)
 
     def close(self) -> None:
         """Stop what this engine started outside its process (tensor parallel's other

@@ -32,7 +32,7 @@ class KVCache:
                  v_head_dim: int | None = None, prefault: bool = False):
         """v_head_dim: V's width when it differs from K's; 0 for MLA's latent cache, whose
         one row a token (kv_lora_rank + rope values) is all K (engine/models/mla.py).
-        prefault: on a CPU, every page mapped now (`zeroed`; EngineConfig.kv_prefault)."""
+        prefault: on a CPU, every page mapped now (`zeroed`; EngineConfig.prefault_memory)."""
         v_dim = head_dim if v_head_dim is None else v_head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.v_head_dim = num_kv_heads, head_dim, v_dim

@@ -105,10 +105,10 @@ def add_engine_arguments(p: argparse.ArgumentParser,
                       f"{ROLE_MAX_NUM_BATCHED_TOKENS['prefill']}, other nodes' "
                       f"{MAX_NUM_BATCHED_TOKENS})")
     env_argument(eng, "--max-model-len", "PDSERVE_MAX_MODEL_LEN", default=None, type=int)
-    env_bool_argument(eng, "--kv-prefault", "PDSERVE_KV_PREFAULT", default=True,
-                      help="on a CPU, give the whole KV cache its memory at start, not as "
-                      "blocks are first written (a page's first touch is slow in a VM; "
-                      "engine/kv_cache.py)")
+    env_bool_argument(eng, "--prefault-memory", "PDSERVE_PREFAULT_MEMORY", default=True,
+                      help="on a CPU, give the KV cache and a step's working heap their "
+                      "memory at start, not at their first use (a page's first touch is "
+                      "slow in a VM; engine/kv_cache.py, engine/host_allocator.py)")
     env_flag(eng, "--no-prefix-caching", "PDSERVE_NO_PREFIX_CACHING",
              help="disable the prefix cache")
     env_argument(eng, "--seed", "PDSERVE_SEED", default=0, type=int)
@@ -174,7 +174,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(model=model, dtype=args.dtype, device=args.device,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                         kv_cache_memory_gb=args.kv_cache_memory_gb,
-                        kv_prefault=args.kv_prefault,
+                        prefault_memory=args.prefault_memory,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,

@@ -82,6 +82,10 @@ class _FakeEngine:
 
     def __init__(self, steps: int):
         self.inbox, self.left = _FakeInbox(), steps
+        self.refills = 0
+
+    def refill_host_reserve(self):
+        self.refills += 1
 
     def run_once(self):
         if self.left:
@@ -98,13 +102,16 @@ class _FakeEngine:
 
 def test_the_engine_loop_trims_once_it_goes_idle_after_steps():
     trimmed = threading.Event()
-    loop = EngineLoop(_FakeEngine(3), trimmer=HeapTrimmer(
+    engine = _FakeEngine(3)
+    loop = EngineLoop(engine, trimmer=HeapTrimmer(
         idle_s=0.0, trim=lambda: trimmed.set() or 1)).start()
     try:
         assert trimmed.wait(5), "the loop went idle after 3 steps without trimming"
     finally:
         loop.stop()
     assert loop.trimmer.trims == 1
+    # the idle node maps the heap a step works in again (engine.refill_host_reserve)
+    assert engine.refills == 1
 
 
 _FRAGMENTING_STEPS = textwrap.dedent("""
@@ -147,6 +154,8 @@ _FRAGMENTING_STEPS = textwrap.dedent("""
             return self.left > 0
         def settle(self):
             return []
+        def refill_host_reserve(self):
+            pass
 
     libc.free(libc.malloc(16 << 20))
     trim = sys.argv[1] == "trim"

@@ -26,7 +26,7 @@ def test_cpu_cache_is_zero_writable_and_not_resident_until_used():
 
 
 def test_prefaulted_cache_is_zero_and_resident_from_the_start():
-    """kv_prefault: every page mapped when the cache is made, so writing a block later
+    """prefault_memory: every page mapped when the cache is made, so writing a block later
     takes no page fault; the contents are the same zeros."""
     import resource
 

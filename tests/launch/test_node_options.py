@@ -38,11 +38,11 @@ def test_flags_reach_engine_config():
 
 
 def test_nodes_prefault_their_kv_cache_unless_told_not_to(monkeypatch):
-    assert config().kv_prefault is True
-    assert config("--no-kv-prefault").kv_prefault is False
-    monkeypatch.setenv("PDSERVE_KV_PREFAULT", "0")
+    assert config().prefault_memory is True
+    assert config("--no-prefault-memory").prefault_memory is False
+    monkeypatch.setenv("PDSERVE_PREFAULT_MEMORY", "0")
     c = engine_config_from_args(build_parser().parse_args(["prefill", "--model", "/m"]))
-    assert c.kv_prefault is False
+    assert c.prefault_memory is False
 
 
 def test_env_variables_are_read(monkeypatch):
