@@ -52,6 +52,13 @@ class Sampler(torch.nn.Module):
     def forward(
         self, logits: torch.Tensor, meta: SamplingMetadata, return_probs: bool = False
     ) -> SampleOutput:
+        if (meta.all_greedy and meta.no_penalties and meta.max_num_logprobs is None
+                and not return_probs):
+            # a plain greedy batch needs only the argmax, and widening to float32 changes
+            # no value (every bf16/fp16 number is a float32), so no index: over a batch-64
+            # decode step's [64, 49152] bf16 logits the copy and a float32 argmax took 0.70
+            # ms, the C++ argmax on the bf16 rows 0.16 (of a ~70 ms step)
+            return SampleOutput(self._argmax(logits), None, None, None, None)
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw = logits  # never modified in place below, so it stays the raw logits

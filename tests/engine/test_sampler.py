@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.sampler import Sampler, apply_penalties
 from engine.sampling_metadata import SamplingMetadata
@@ -60,6 +62,30 @@ def test_greedy_equals_argmax_first_index_on_ties():
     assert torch.equal(out.next_tokens, logits.argmax(dim=-1))
     assert out.next_tokens[3] == 7
     assert out.logprobs is None and out.probs is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 9), vocab=st.integers(2, 300), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       ties=st.integers(0, 3), nan_row=st.booleans())
+def test_greedy_on_half_logits_equals_argmax_of_their_float32_copy(rows, vocab, seed, dtype,
+                                                                   ties, nan_row):
+    """A plain greedy batch takes the argmax of the logits as they come (bf16 from a bf16
+    model), without the float32 copy: the same index in every case, ties (the first) and
+    NaNs (above every number) included, with the C++ argmax and with torch's."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).round().to(dtype)   # many ties
+    for _ in range(ties):
+        r, c = torch.randint(rows, (1,), generator=g), torch.randint(vocab, (1,), generator=g)
+        logits[r, c] = logits[r].max()
+    if nan_row:
+        logits[rows // 2, vocab // 3] = float("nan")
+    expected = logits.float().argmax(dim=-1)
+    meta = meta_for([SamplingParams(temperature=0.0)] * rows, vocab)
+    for sampler in (SAMPLER, Sampler(cpu_argmax=True)):
+        out = sampler(logits, meta)
+        assert torch.equal(out.next_tokens, expected)
+        assert out.logprobs is None and out.probs is None
 
 
 def test_mixed_batch_greedy_rows_exact():

@@ -218,13 +218,26 @@ int64_t argmax_scalar(const T* x, int64_t n, L load) {
   return best;
 }
 
-int64_t argmax_f32(const float* x, int64_t n) {
-  const auto id = [](float v) { return v; };
+#ifdef __AVX512F__
+inline __m512 load16(const float* x) {
+  return _mm512_loadu_ps(x);
+}
+
+// 16 bf16 values widened to float32 (exact: a bf16 is a float32's upper half)
+inline __m512 load16(const uint16_t* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// float32 or bf16 rows (bf16 read as it is: widening it first cost more than the search)
+template <typename T, typename L>
+int64_t argmax_row(const T* x, int64_t n, L load) {
 #ifdef __AVX512F__
   if (n >= 32) {
     // 16 lanes, each keeping the first index of its own maximum (strictly greater
     // replaces); then the smallest index among the lanes holding the overall maximum
-    __m512 best = _mm512_loadu_ps(x);
+    __m512 best = load16(x);
     __m512i bidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i idx = bidx;
     const __m512i step = _mm512_set1_epi32(16);
@@ -232,34 +245,36 @@ int64_t argmax_f32(const float* x, int64_t n) {
     int64_t i = 16;
     for (; i + 16 <= n; i += 16) {
       idx = _mm512_add_epi32(idx, step);
-      const __m512 v = _mm512_loadu_ps(x + i);
+      const __m512 v = load16(x + i);
       nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
       const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
       best = _mm512_mask_mov_ps(best, gt, v);
       bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
     }
-    if (nan) return argmax_scalar(x, n, id);
+    if (nan) return argmax_scalar(x, n, load);
     float m = _mm512_reduce_max_ps(best);
     const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
     int64_t res = _mm512_mask_reduce_min_epi32(eq, bidx);
     for (; i < n; ++i) {
-      if (std::isnan(x[i])) return argmax_scalar(x, n, id);
-      if (x[i] > m) {
-        m = x[i];
+      const float v = load(x[i]);
+      if (std::isnan(v)) return argmax_scalar(x, n, load);
+      if (v > m) {
+        m = v;
         res = i;
       }
     }
     return res;
   }
 #endif
-  return argmax_scalar(x, n, id);
+  return argmax_scalar(x, n, load);
 }
 
 }  // namespace
 
 // argmax over the last dim of [rows, n] (float32 or bfloat16, contiguous rows), int64 [rows]:
 // torch.argmax(x, -1)'s indices. torch's CPU reduction took 0.8 ms over a decode step's
-// [32, 49152] float32 logits; this reads them once, 16 lanes at a time (~0.1 ms). Rows are
+// [32, 49152] float32 logits; this reads them once, 16 lanes at a time (~0.1 ms). bf16
+// rows are read as they are (a greedy batch's logits need no float32 copy). Rows are
 // split over torch's threads from 8 rows (the LM head's GEMM just left them spinning).
 at::Tensor argmax_rows(at::Tensor x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
@@ -271,12 +286,12 @@ at::Tensor argmax_rows(at::Tensor x) {
   if (x.scalar_type() == at::kFloat) {
     const float* p = x.data_ptr<float>();
     at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) o[r] = argmax_f32(p + r * ld, n);
+      for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * ld, n, F32::load);
     });
   } else {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
     at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) o[r] = argmax_scalar(p + r * ld, n, BF16::load);
+      for (int64_t r = b; r < e; ++r) o[r] = argmax_row(p + r * ld, n, BF16::load);
     });
   }
   return out;
