@@ -87,7 +87,8 @@ def touch_heap(nbytes: int) -> None:
     same for its allocator."""
     if nbytes <= 0:
         return
-    import torch
+    import torch  # here: a node imports this module first thing, to set the heap up
+
 
     buf = torch.empty(nbytes, dtype=torch.uint8)
     buf.fill_(0)

@@ -214,6 +214,11 @@ def start_metrics(node, args: argparse.Namespace):
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
+    if str(args.device).startswith("cpu"):
+        # before any thread of this process allocates: the engine thread then shares the
+        # main heap instead of an arena that hands its pages back after every step
+        from engine.host_allocator import keep_large_allocations_in_heap
+        keep_large_allocations_in_heap()
     # libgomp keeps its default spin-wait (GOMP_SPINCOUNT 300,000): a node is alone on its
     # cores, or takes turns with the others on them (cluster/core_share.py). A short spin
     # (3,000, the default here until 2026-12-06) let each idle OpenMP worker sleep between a
@@ -221,11 +226,6 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     # on an AMX Xeon that cost served SmolLM2 bf16 at c64 a quarter of its throughput
     # (aggregated 550 -> 733 tok/s, docs/PERFORMANCE.md). A user's GOMP_SPINCOUNT or
     # OMP_WAIT_POLICY still reaches libgomp as set.
-    if str(args.device).startswith("cpu"):
-        # before any thread of this process allocates: the engine thread then shares the
-        # main heap instead of an arena that hands its pages back after every step
-        from engine.host_allocator import keep_large_allocations_in_heap
-        keep_large_allocations_in_heap()
     from cluster.node_server import default_node_id
 
     node_id = args.node_id or default_node_id(role)
