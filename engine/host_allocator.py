@@ -89,7 +89,6 @@ def touch_heap(nbytes: int) -> None:
         return
     import torch  # here: a node imports this module first thing, to set the heap up
 
-
     buf = torch.empty(nbytes, dtype=torch.uint8)
     buf.fill_(0)
     del buf
