@@ -218,6 +218,20 @@ int64_t argmax_scalar(const T* x, int64_t n, L load) {
   return best;
 }
 
+// the elements past the last full vector, after the lanes gave maximum m at index res
+template <typename T, typename L>
+int64_t argmax_tail(const T* x, int64_t n, L load, int64_t i, float m, int64_t res) {
+  for (; i < n; ++i) {
+    const float v = load(x[i]);
+    if (std::isnan(v)) return argmax_scalar(x, n, load);
+    if (v > m) {
+      m = v;
+      res = i;
+    }
+  }
+  return res;
+}
+
 #ifdef __AVX512F__
 inline __m512 load16(const float* x) {
   return _mm512_loadu_ps(x);
@@ -227,6 +241,16 @@ inline __m512 load16(const float* x) {
 inline __m512 load16(const uint16_t* x) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__)
+inline __m256 load8(const float* x) {
+  return _mm256_loadu_ps(x);
+}
+
+// 8 bf16 values widened to float32
+inline __m256 load8(const uint16_t* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 #endif
 
@@ -252,18 +276,39 @@ int64_t argmax_row(const T* x, int64_t n, L load) {
       bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
     }
     if (nan) return argmax_scalar(x, n, load);
-    float m = _mm512_reduce_max_ps(best);
+    const float m = _mm512_reduce_max_ps(best);
     const __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-    int64_t res = _mm512_mask_reduce_min_epi32(eq, bidx);
-    for (; i < n; ++i) {
-      const float v = load(x[i]);
-      if (std::isnan(v)) return argmax_scalar(x, n, load);
-      if (v > m) {
-        m = v;
-        res = i;
-      }
+    return argmax_tail(x, n, load, i, m, _mm512_mask_reduce_min_epi32(eq, bidx));
+  }
+#elif defined(__AVX2__)
+  if (n >= 16) {
+    // the same search on 8 lanes (AVX2-only CPUs, where the engine runs float32)
+    __m256 best = load8(x);
+    __m256i bidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i idx = bidx;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+    int64_t i = 8;
+    for (; i + 8 <= n; i += 8) {
+      idx = _mm256_add_epi32(idx, step);
+      const __m256 v = load8(x + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, v, gt);
+      bidx = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(bidx), _mm256_castsi256_ps(idx), gt));
     }
-    return res;
+    if (_mm256_movemask_ps(nan)) return argmax_scalar(x, n, load);
+    alignas(32) float bv[8];
+    alignas(32) int32_t bi[8];
+    _mm256_store_ps(bv, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bi), bidx);
+    float m = bv[0];
+    for (int l = 1; l < 8; ++l) m = bv[l] > m ? bv[l] : m;
+    int64_t res = n;
+    for (int l = 0; l < 8; ++l)
+      if (bv[l] == m && bi[l] < res) res = bi[l];
+    return argmax_tail(x, n, load, i, m, res);
   }
 #endif
   return argmax_scalar(x, n, load);
