@@ -139,12 +139,16 @@ class LLMEngine:
 
     def _step_reserve_bytes(self) -> int:
         mc, cfg = self.model_config, self.config
-        heads, k_dim, v_dim = mc.kv_layout
-        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, heads,
-                                            k_dim, self.dtype, v_head_dim=v_dim)
         return step_reserve_bytes(cfg.max_num_batched_tokens, mc.hidden_size,
-                                  mc.intermediate_size, per_block // cfg.block_size,
+                                  mc.intermediate_size,
+                                  self._kv_bytes_per_block() // cfg.block_size,
                                   self.dtype.itemsize)
+
+    def _kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        heads, k_dim, v_dim = mc.kv_layout
+        return KVCache.bytes_per_block(mc.num_hidden_layers, self.config.block_size, heads,
+                                       k_dim, self.dtype, v_head_dim=v_dim)
 
     def close(self) -> None:
         """Stop what this engine started outside its process (tensor parallel's other
@@ -153,11 +157,8 @@ class LLMEngine:
             self.ranks.close()
 
     def _blocks_for_memory(self) -> int:
-        mc, cfg = self.model_config, self.config
-        heads, k_dim, v_dim = mc.kv_layout
-        per_block = KVCache.bytes_per_block(mc.num_hidden_layers, cfg.block_size, heads,
-                                            k_dim, self.dtype, v_head_dim=v_dim)
-        by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block
+        cfg = self.config
+        by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // self._kv_bytes_per_block()
         # never more than the running sequences could ever use, plus the padding block
         by_need = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
         return max(2, min(by_memory, by_need))

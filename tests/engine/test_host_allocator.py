@@ -18,9 +18,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(env_extra: dict) -> int:
+def _faults(env_extra: dict, script: str = SCRIPT, *args: str) -> int:
+    """The page faults `script` prints last, run in a fresh process (the heap settings
+    are process-wide)."""
     env = {**os.environ, **env_extra}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                          text=True, timeout=120, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -60,20 +62,13 @@ print(faults[0])
 """
 
 
-def _thread_faults(env_extra: dict) -> int:
-    env = {**os.environ, **env_extra}
-    out = subprocess.run([sys.executable, "-c", THREAD_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=120, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
-
-
 def test_a_worker_threads_temporaries_reuse_heap_pages():
     """A node steps on a thread of its own. glibc would give that thread an arena of 64 MB
     heaps, each handed back to the OS as soon as it is all free, so the next step faulted
     its temporaries in again (seen ~61k faults here with only the thresholds set); with
     every thread on the main heap they are reused."""
-    with_setting = _thread_faults({})
-    without = _thread_faults({"PDSERVE_NO_MALLOPT": "1"})
+    with_setting = _faults({}, THREAD_SCRIPT)
+    without = _faults({"PDSERVE_NO_MALLOPT": "1"}, THREAD_SCRIPT)
     # 20 x 3 x 24 MB = 368,640 pages if nothing were reused; seen 61,450 without the
     # settings and with the thresholds alone (glibc reuses some), 0 with them all
     assert without > 30000, without
@@ -93,12 +88,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def test_a_touched_heap_serves_the_first_step_without_faults():
-    def faults(mode: str) -> int:
-        out = subprocess.run([sys.executable, "-c", RESERVE_SCRIPT, mode], capture_output=True,
-                             text=True, timeout=120, check=True)
-        return int(out.stdout.strip().splitlines()[-1])
-
-    cold, touched = faults("cold"), faults("touch")
+    cold, touched = _faults({}, RESERVE_SCRIPT, "cold"), _faults({}, RESERVE_SCRIPT, "touch")
     assert cold > 10000, cold               # 48 MB of fresh heap: ~12,288 pages
     assert touched < cold / 4, (touched, cold)
 
