@@ -194,6 +194,9 @@ BROAD_COUNTS = {7: (24, 16, 30), 8: (10, 6, 10)}
 OLD_PER_STYLE, OLD_RAW = 12, 200
 # Answers of these parts are sampled (temperature, top-p); the others are greedy.
 SAMPLED_PARTS = {8: (0.8, 0.95)}
+# Part 9: requests and raw openings the target samples itself (tools/mtp_selfgen.py);
+# built in tools/mtp_features.py, since its prompts need the model
+SELF_PART = 9
 RAW_HELD_OUT = 64         # held-out raw-text openings (tools/mtp_raw.py held_out_raw_texts)
 
 
@@ -224,7 +227,7 @@ def chat_prompts(topics: list[str], templates: list[str], tokenizer,
     out = []
     for t in topics:
         for tmpl in rng.sample(templates, min(per_topic, len(templates))):
-            out.append(_encode(tokenizer, tmpl.format(t=t)))
+            out.append(encode_request(tokenizer, tmpl.format(t=t)))
             if used is not None:
                 used.add((t, tmpl))
     return out
@@ -233,7 +236,7 @@ def chat_prompts(topics: list[str], templates: list[str], tokenizer,
 def unused_prompts(topics: list[str], templates: list[str], tokenizer,
                    used: set) -> list[list[int]]:
     """Every (topic, template) request not in `used`, in a fixed order."""
-    return [_encode(tokenizer, tmpl.format(t=t)) for t in topics for tmpl in templates
+    return [encode_request(tokenizer, tmpl.format(t=t)) for t in topics for tmpl in templates
             if (t, tmpl) not in used]
 
 
@@ -286,11 +289,12 @@ def broad_prompts(tokenizer, seed: int, part: int) -> list[list[int]]:
         chat += [tmpl.format(t=t) for tmpl in CHAT + EXTRA_CHAT + MORE_CHAT
                  for t in rng.sample(TOPICS + EXTRA_TOPICS + NEW_TOPICS, OLD_PER_STYLE)]
         raw += raw_texts(seed + 2, OLD_RAW)
-    return ([_encode(tokenizer, r) for r in chat]
+    return ([encode_request(tokenizer, r) for r in chat]
             + [tokenizer.encode(t) for t in raw])
 
 
-def _encode(tokenizer, request: str) -> list[int]:
+def encode_request(tokenizer, request: str) -> list[int]:
+    """A chat request as the engine's chat endpoint encodes it."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": request}], True)
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.models.loader import load_model
-from tools.mtp_corpus import SAMPLED_PARTS, corpus_prompts, generate_corpus
+from tools.mtp_corpus import (
+    SAMPLED_PARTS,
+    SELF_PART,
+    corpus_prompts,
+    encode_request,
+    generate_corpus,
+)
 
 
 class DenseCausal:
@@ -128,8 +134,12 @@ def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]
     Each part's answers are cached beside --corpus-cache (part k in <stem>-part<k>.pt, the
     held-out sets in <stem>-held.pt)."""
     parts, held_chat, held_raw = corpus_prompts(tok, args.seed, args.num_topics,
-                                                args.templates_per_topic, args.parts,
+                                                args.templates_per_topic,
+                                                [k for k in args.parts if k != SELF_PART],
                                                 args.raw_count)
+    if SELF_PART in args.parts:
+        parts[SELF_PART] = self_generated_prompts(args, tok)
+        parts = dict(sorted(parts.items()))
     out = []
     named = [(f"part{k}", p) for k, p in parts.items()] + [("held", held_chat + held_raw)]
     for name, prompts in named:
@@ -147,6 +157,25 @@ def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]
             raise ValueError(f"the corpus cache {path} does not hold these prompts")
         out.append((name, got))
     return out, len(held_chat)
+
+
+def self_generated_prompts(args, tok) -> list[list[int]]:
+    """Part 9's prompts (tools/mtp_selfgen.py): sampled from the target once and kept as
+    text beside --corpus-cache (<stem>-part9-prompts.json), so a rerun asks the same."""
+    import json
+
+    from tools.mtp_selfgen import self_generated
+    path = _part_path(args.corpus_cache, f"part{SELF_PART}-prompts")
+    path = path.with_suffix(".json") if path is not None else None
+    if path is not None and path.is_file():
+        got = json.loads(path.read_text())
+    else:
+        requests, raw = self_generated(args.model, tok, args.seed + 1000 * SELF_PART)
+        got = {"requests": requests, "raw": raw}
+        if path is not None:
+            path.write_text(json.dumps(got, indent=0, ensure_ascii=False))
+    return ([encode_request(tok, r) for r in got["requests"]]
+            + [tok.encode(t) for t in got["raw"]])
 
 
 def cache_key(args, name: str, n: int) -> dict:

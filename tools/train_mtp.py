@@ -1,25 +1,26 @@
 """Train an MTP draft head for a model by self-distillation from the model's own outputs.
 
 No data is downloaded: the corpus is the model's own continuations, greedy but for part 8
-(tools/mtp_corpus.py), generated with pdserve's engine in bfloat16 at batch 256,
-ignore_eos, as the bench decodes, in eight parts (`corpus_prompts`, each cached on its
-own): chat requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics and
-10 more styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text
-openings without a chat template (tools/mtp_raw.py: code in 12 languages and forms, prose,
-lists, dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339 topics;
-(6) 2,200 chat requests on 275 new topics, each in the bench's four styles and 4 more; (7)
-1,956 requests and raw openings in 68 styles and 14 raw kinds the others lack
-(tools/mtp_broad.py, a few dozen each); (8) 1,332 more of those and of the earlier styles,
-answers sampled (temperature 0.8, top-p 0.95). Held out, for the agreement printed after
-every epoch: 48 chat requests on 12 topics kept out of training and 64 raw openings whose
-subjects and code tasks no training opening uses. Then, once per part: the target's final
-hidden states h_t, the residual streams after the --aux-layers (what the engine's target
-hands the draft) and its top-K next-token distributions at every position are computed and
-kept (--cache, one file per part, rebuilt when the arguments change). Only the head
-trains: at row t it sees (h_t and the aux layers' rows, x_{t+1}) and learns the target's
-distribution at t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
---step3-weight) feed the head's own hidden state back with the next token, attending as
-the engine's later draft steps do, and learn the distributions after it. The loss and the
+(tools/mtp_corpus.py), generated with pdserve's engine in bfloat16 at batch 256, ignore_eos,
+as the bench decodes, in nine parts (`corpus_prompts`, each cached on its own): chat
+requests (1) 1,504 on 188 topics in 10 styles, (2) 2,638 on 151 more topics and 10 more
+styles, (3) the 2,638 (topic, style) pairs not drawn yet; (4) 2,400 raw-text openings
+without a chat template (tools/mtp_raw.py: code in 12 languages and forms, prose, lists,
+dialogue, questions); (5) 3,390 chat requests: 10 more styles on all 339 topics; (6) 2,200
+chat requests on 275 new topics, each in the bench's four styles and 4 more; (7) 1,956
+requests and raw openings in 68 styles and 14 raw kinds the others lack (tools/mtp_broad.py,
+a few dozen each); (8) 1,332 more of those and of the earlier styles, answers sampled
+(temperature 0.8, top-p 0.95); (9) 4,000 requests and 1,000 raw openings the target samples
+itself (tools/mtp_selfgen.py), none like a held-out style. Held out, for the agreement
+printed after every epoch: 48 chat requests on 12 topics kept out of training and 64 raw
+openings whose subjects and code tasks no training opening uses. Then, once per part: the
+target's final hidden states h_t, the residual streams after the --aux-layers (what the
+engine's target hands the draft) and its top-K next-token distributions at every position
+are computed and kept (--cache, one file per part, rebuilt when the arguments change). Only
+the head trains: at row t it sees (h_t and the aux layers' rows, x_{t+1}) and learns the
+target's distribution at t+1, the prediction of x_{t+2}; unrolled steps 2 (and 3, with
+--step3-weight) feed the head's own hidden state back with the next token, attending as the
+engine's later draft steps do, and learn the distributions after it. The loss and the
 held-out agreement count only rows whose input token is a generated one (that is where the
 engine drafts), not the prompt or template.
 
@@ -280,8 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-topics", type=int, default=len(TOPICS))
     ap.add_argument("--templates-per-topic", type=int, default=8)
     ap.add_argument("--parts", type=lambda v: sorted({int(x) for x in v.split(",")}),
-                    default=[1, 2, 3, 4, 5, 6], help="corpus parts to train on, of 1-8 "
-                    "(tools/mtp_corpus.py corpus_prompts; 4 = raw-text openings)")
+                    default=[1, 2, 3, 4, 5, 6], help="corpus parts to train on, of 1-9 "
+                    "(tools/mtp_corpus.py corpus_prompts; 4 = raw-text openings; 9 = "
+                    "prompts the target samples itself, tools/mtp_selfgen.py)")
     ap.add_argument("--raw-count", type=int, default=RAW_COUNT,
                     help="raw-text openings in part 4")
     ap.add_argument("--init", help="start from this head (safetensors) instead of the "

@@ -22,8 +22,8 @@ from tools.mtp_corpus import (
     MORE_CHAT,
     NEW_TOPICS,
     TOPICS,
-    _encode,
     corpus_prompts,
+    encode_request,
 )
 
 
@@ -65,7 +65,7 @@ def test_part6_asks_new_topics_in_the_bench_styles_and_leaves_the_rest_alone(tin
     part6 = _new_part(tok, [1, 2, 3, 5], 6)
     assert len(part6) == len(NEW_TOPICS) * (len(HELD_OUT_CHAT) + 4)
     # every new topic in each of the bench's request styles
-    asks = {tuple(_encode(tok, a.format(t=NEW_TOPICS[0]))) for a in HELD_OUT_CHAT}
+    asks = {tuple(encode_request(tok, a.format(t=NEW_TOPICS[0]))) for a in HELD_OUT_CHAT}
     assert asks <= {tuple(p) for p in part6}
 
 
