@@ -7,24 +7,14 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
 import torch
 
 import tools.mtp_corpus as corpus
 import tools.mtp_features as features
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import add_tiny_tokenizer
 from tools.mtp_broad import RAW_KINDS, TOPIC_STYLES, WORD_STYLES, broad_texts
 
 TRAIN_TOPICS = corpus.TOPICS + corpus.EXTRA_TOPICS + corpus.NEW_TOPICS
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder, _ = make_tiny_model("llama-tied-gqa", tmp_path_factory.mktemp("mtp-broad"))
-    add_tiny_tokenizer(folder)
-    from engine.tokenizer import Tokenizer
-    return folder, Tokenizer(str(folder))
 
 
 def test_new_styles_are_not_the_earlier_ones_and_many():
@@ -68,7 +58,7 @@ def test_part7_is_new_and_part8_adds_the_earlier_styles(tiny):
     seen = {tuple(p) for k in before for p in before[k]} | {tuple(p) for p in held}
     part7 = {tuple(p) for p in after[7]}
     assert len(part7) == len(after[7]) and not part7 & seen
-    old = [corpus._encode(tok, s.format(t=t)) for s in corpus.CHAT + corpus.EXTRA_CHAT
+    old = [corpus.encode_request(tok, s.format(t=t)) for s in corpus.CHAT + corpus.EXTRA_CHAT
            + corpus.MORE_CHAT for t in TRAIN_TOPICS]
     old_styles_in_8 = {tuple(p) for p in after[8]} & {tuple(p) for p in old}
     assert len(old_styles_in_8) >= len(corpus.CHAT + corpus.EXTRA_CHAT + corpus.MORE_CHAT)

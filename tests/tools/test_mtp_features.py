@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
 import torch
 
 import tools.mtp_features as features
-from tests.tiny_models import make_tiny_model
-from tests.tiny_tokenizer import add_tiny_tokenizer
 from tools.mtp_corpus import (
     CHAT,
     EXTRA_CHAT,
@@ -25,14 +22,6 @@ from tools.mtp_corpus import (
     corpus_prompts,
     encode_request,
 )
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder, _ = make_tiny_model("llama-tied-gqa", tmp_path_factory.mktemp("mtp-feat"))
-    add_tiny_tokenizer(folder)
-    from engine.tokenizer import Tokenizer
-    return folder, Tokenizer(str(folder))
 
 
 def _new_part(tok, earlier: list[int], part: int) -> list[list[int]]:
