@@ -21,7 +21,10 @@ with nothing else running; docs/perf/HISTORY.md has each stage's measurements):
    (~65 min);
 7. parts 1-6, one epoch at 4e-4 (~35 min);
 8. parts 7 and 8 (tools/mtp_broad.py: many styles at small counts, sampled answers), two
-   epochs at 4e-4, then two more at 6e-4 (~12 min of corpus and features, 8-9 min a run).
+   epochs at 4e-4, then two more at 6e-4 (~12 min of corpus and features, 8-9 min a run);
+9. part 9 beside them (tools/mtp_selfgen.py: requests and raw text the target samples
+   itself), one epoch at 4e-4, then one at 6e-4 (~29 min of prompts, answers and
+   features, ~13 min a run).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ STAGES: list[tuple[str, list[str]]] = [
     ("7-part6", ["--parts", "1,2,3,4,5,6", "--epochs", "1", "--lr", "4e-4", *SHARP, *AUX]),
     ("8a-broad", ["--parts", "7,8", "--epochs", "2", "--lr", "4e-4", *SHARP, *AUX]),
     ("8b-broad", ["--parts", "7,8", "--epochs", "2", "--lr", "6e-4", *SHARP, *AUX]),
+    ("9a-self", ["--parts", "7,8,9", "--epochs", "1", "--lr", "4e-4", *SHARP, *AUX]),
+    ("9b-self", ["--parts", "7,8,9", "--epochs", "1", "--lr", "6e-4", *SHARP, *AUX]),
 ]
 
 

@@ -30,7 +30,7 @@ def test_stages_chain_through_init_and_end_at_out(tmp_path):
     assert parsed[-1].out == str(out)
     assert len({p.out for p in parsed}) == len(parsed)
     covered = {k for p in parsed for k in p.parts}
-    assert covered == set(range(1, 9))
+    assert covered == set(range(1, 10))
 
 
 def test_feature_caches_are_kept_apart_per_aux_setting(tmp_path):
