@@ -6,6 +6,7 @@ remembers the arguments it was made from)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -162,8 +163,6 @@ def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]
 def self_generated_prompts(args, tok) -> list[list[int]]:
     """Part 9's prompts (tools/mtp_selfgen.py): sampled from the target once and kept as
     text beside --corpus-cache (<stem>-part9-prompts.json), so a rerun asks the same."""
-    import json
-
     from tools.mtp_selfgen import self_generated
     path = _part_path(args.corpus_cache, f"part{SELF_PART}-prompts")
     path = path.with_suffix(".json") if path is not None else None
