@@ -37,12 +37,13 @@ from engine.device import Device
 from engine.dtype import resolve_dtype
 from engine.executor.graph_buckets import GraphOptions
 from engine.executor.graph_stats import executor_stats
-from engine.host_allocator import step_reserve_bytes, touch_heap
+from engine.host_allocator import touch_heap
 from engine.input_builder import BatchInputBuilder
 from engine.kv_cache import KVCache
 from engine.layers import attention_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.logprobs import token_logprob
+from engine.memory_sizing import num_kv_blocks, step_heap_bytes
 from engine.models import mla_choice
 from engine.models.loader import load_model
 from engine.output_processor import OutputProcessor
@@ -87,7 +88,8 @@ class LLMEngine:
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         bs = config.block_size
-        num_blocks = config.num_gpu_blocks or self._blocks_for_memory()
+        num_blocks = config.num_gpu_blocks or num_kv_blocks(config, mc, self.dtype,
+                                                            self.max_model_len)
         if self.ranks is not None:      # this rank's KV heads; the others make theirs
             self.kv_cache = self.ranks.make_cache(mc, num_blocks, bs)
         else:
@@ -129,7 +131,7 @@ class LLMEngine:
         self._refresh_load()
         self.host_reserve_bytes = 0     # the heap a step works in, touched at start
         if config.prefault_memory and self.device.torch_device.type == "cpu":
-            self.host_reserve_bytes = self._step_reserve_bytes()
+            self.host_reserve_bytes = step_heap_bytes(config, mc, self.dtype)
             self.refill_host_reserve()
 
     def refill_host_reserve(self) -> None:
@@ -137,31 +139,11 @@ class LLMEngine:
         the engine loop after the heap trimmer gave its pages back while idle."""
         touch_heap(self.host_reserve_bytes)
 
-    def _step_reserve_bytes(self) -> int:
-        mc, cfg = self.model_config, self.config
-        return step_reserve_bytes(cfg.max_num_batched_tokens, mc.hidden_size,
-                                  mc.intermediate_size,
-                                  self._kv_bytes_per_block() // cfg.block_size,
-                                  self.dtype.itemsize)
-
-    def _kv_bytes_per_block(self) -> int:
-        mc = self.model_config
-        heads, k_dim, v_dim = mc.kv_layout
-        return KVCache.bytes_per_block(mc.num_hidden_layers, self.config.block_size, heads,
-                                       k_dim, self.dtype, v_head_dim=v_dim)
-
     def close(self) -> None:
         """Stop what this engine started outside its process (tensor parallel's other
         ranks); also done when the engine is collected or the process exits."""
         if self.ranks is not None:
             self.ranks.close()
-
-    def _blocks_for_memory(self) -> int:
-        cfg = self.config
-        by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // self._kv_bytes_per_block()
-        # never more than the running sequences could ever use, plus the padding block
-        by_need = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
-        return max(2, min(by_memory, by_need))
 
     # ---- requests ------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
