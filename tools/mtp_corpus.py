@@ -193,10 +193,11 @@ RAW_COUNT = 2400          # part 4's raw-text openings
 BROAD_COUNTS = {7: (24, 16, 30), 8: (10, 6, 10)}
 OLD_PER_STYLE, OLD_RAW = 12, 200
 # Answers of these parts are sampled (temperature, top-p); the others are greedy.
-SAMPLED_PARTS = {8: (0.8, 0.95)}
-# Part 9: requests and raw openings the target samples itself (tools/mtp_selfgen.py);
-# built in tools/mtp_features.py, since its prompts need the model
-SELF_PART = 9
+SAMPLED_PARTS = {8: (0.8, 0.95), 10: (0.8, 0.95)}
+# Parts 9 and 10: requests and raw openings the target samples itself (tools/mtp_selfgen.py),
+# each part its own draw (seeded by its number); part 10's answers are sampled. Built in
+# tools/mtp_features.py, since their prompts need the model.
+SELF_PARTS = (9, 10)
 RAW_HELD_OUT = 64         # held-out raw-text openings (tools/mtp_raw.py held_out_raw_texts)
 
 

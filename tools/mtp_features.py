@@ -16,7 +16,7 @@ from tqdm import tqdm
 from engine.models.loader import load_model
 from tools.mtp_corpus import (
     SAMPLED_PARTS,
-    SELF_PART,
+    SELF_PARTS,
     corpus_prompts,
     encode_request,
     generate_corpus,
@@ -136,11 +136,12 @@ def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]
     held-out sets in <stem>-held.pt)."""
     parts, held_chat, held_raw = corpus_prompts(tok, args.seed, args.num_topics,
                                                 args.templates_per_topic,
-                                                [k for k in args.parts if k != SELF_PART],
-                                                args.raw_count)
-    if SELF_PART in args.parts:
-        parts[SELF_PART] = self_generated_prompts(args, tok)
-        parts = dict(sorted(parts.items()))
+                                                [k for k in args.parts
+                                                 if k not in SELF_PARTS], args.raw_count)
+    for k in SELF_PARTS:
+        if k in args.parts:
+            parts[k] = self_generated_prompts(args, tok, k)
+    parts = dict(sorted(parts.items()))
     out = []
     named = [(f"part{k}", p) for k, p in parts.items()] + [("held", held_chat + held_raw)]
     for name, prompts in named:
@@ -160,16 +161,17 @@ def corpus_parts(args, tok) -> tuple[list[tuple[str, list[tuple[list[int], int]]
     return out, len(held_chat)
 
 
-def self_generated_prompts(args, tok) -> list[list[int]]:
-    """Part 9's prompts (tools/mtp_selfgen.py): sampled from the target once and kept as
-    text beside --corpus-cache (<stem>-part9-prompts.json), so a rerun asks the same."""
+def self_generated_prompts(args, tok, part: int) -> list[list[int]]:
+    """A self-generated part's prompts (tools/mtp_selfgen.py; part 9 or 10): sampled from
+    the target once, seeded by the part's number, and kept as text beside --corpus-cache
+    (<stem>-part<k>-prompts.json), so a rerun asks the same."""
     from tools.mtp_selfgen import self_generated
-    path = _part_path(args.corpus_cache, f"part{SELF_PART}-prompts")
+    path = _part_path(args.corpus_cache, f"part{part}-prompts")
     path = path.with_suffix(".json") if path is not None else None
     if path is not None and path.is_file():
         got = json.loads(path.read_text())
     else:
-        requests, raw = self_generated(args.model, tok, args.seed + 1000 * SELF_PART)
+        requests, raw = self_generated(args.model, tok, args.seed + 1000 * part)
         got = {"requests": requests, "raw": raw}
         if path is not None:
             path.write_text(json.dumps(got, indent=0, ensure_ascii=False))

@@ -281,9 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-topics", type=int, default=len(TOPICS))
     ap.add_argument("--templates-per-topic", type=int, default=8)
     ap.add_argument("--parts", type=lambda v: sorted({int(x) for x in v.split(",")}),
-                    default=[1, 2, 3, 4, 5, 6], help="corpus parts to train on, of 1-9 "
-                    "(tools/mtp_corpus.py corpus_prompts; 4 = raw-text openings; 9 = "
-                    "prompts the target samples itself, tools/mtp_selfgen.py)")
+                    default=[1, 2, 3, 4, 5, 6], help="corpus parts to train on, of 1-10 "
+                    "(tools/mtp_corpus.py corpus_prompts; 4 = raw-text openings; 9 and 10 = "
+                    "prompts the target samples itself, tools/mtp_selfgen.py, 10's "
+                    "answers sampled)")
     ap.add_argument("--raw-count", type=int, default=RAW_COUNT,
                     help="raw-text openings in part 4")
     ap.add_argument("--init", help="start from this head (safetensors) instead of the "

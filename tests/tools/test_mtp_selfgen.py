@@ -12,6 +12,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tools.mtp_corpus as corpus
 import tools.mtp_features as features
 import tools.mtp_selfgen as selfgen
 from tools.mtp_corpus import encode_request
@@ -68,22 +69,32 @@ def test_the_pre_query_is_the_chat_template_before_the_users_message(tiny):
     assert pre and whole.startswith(pre + request)
 
 
-def test_part9_prompts_are_sampled_once_kept_beside_the_cache_and_encoded(tiny, tmp_path,
-                                                                          monkeypatch):
+def test_self_generated_parts_are_sampled_once_each_kept_beside_the_cache_and_encoded(
+        tiny, tmp_path, monkeypatch):
     folder, tok = tiny
     calls = []
 
     def sampled(model, tokenizer, seed):            # the target's sampling: a boundary
         calls.append(seed)
-        return ["Help me name my new bakery.", "Suggest a weekend hobby."], ["The old mill"]
+        return ([f"Help me name my new bakery ({seed}).", "Suggest a weekend hobby."],
+                ["The old mill"])
     monkeypatch.setattr(selfgen, "self_generated", sampled)
     args = argparse.Namespace(model=str(folder), seed=0, corpus_cache=str(tmp_path / "c.pt"))
-    first = features.self_generated_prompts(args, tok)
+    first = features.self_generated_prompts(args, tok, 9)
     assert calls == [9000]
     kept = json.loads((tmp_path / "c-part9-prompts.json").read_text())
-    assert kept == {"requests": ["Help me name my new bakery.", "Suggest a weekend hobby."],
-                    "raw": ["The old mill"]}
-    assert first == [encode_request(tok, "Help me name my new bakery."),
+    assert kept == {"requests": ["Help me name my new bakery (9000).",
+                                 "Suggest a weekend hobby."], "raw": ["The old mill"]}
+    assert first == [encode_request(tok, "Help me name my new bakery (9000)."),
                      encode_request(tok, "Suggest a weekend hobby."), tok.encode("The old mill")]
-    assert features.self_generated_prompts(args, tok) == first
+    assert features.self_generated_prompts(args, tok, 9) == first
     assert calls == [9000]                           # the second run read the file
+    tenth = features.self_generated_prompts(args, tok, 10)     # its own draw and file
+    assert calls == [9000, 10000] and tenth != first
+    assert (tmp_path / "c-part10-prompts.json").is_file()
+    assert features.self_generated_prompts(args, tok, 9) == first
+
+
+def test_part_10_is_the_self_generated_part_with_sampled_answers():
+    assert set(corpus.SELF_PARTS) == {9, 10}
+    assert 10 in corpus.SAMPLED_PARTS and 9 not in corpus.SAMPLED_PARTS
