@@ -21,8 +21,8 @@ the stable sort 224 ms. A row decided from 1,024 candidates costs about a tenth 
 sort; a row whose nucleus is wider than 8,192 tokens (near-uniform logits with p near 1)
 pays both topks before the sort, about 1.4x the sort alone. Generating part 8 of the MTP
 corpus (256 rows sampled at temperature 0.8, top-p 0.95, one seed each, 128 tokens) took
-86 s a batch against 123 s with the sort (greedy: 16 s; the seeded exponential race is
-most of the rest).
+86 s a batch against 123 s with the sort (greedy: 16 s; the exponential race that then
+drew the token was most of the rest, engine/sampler.py sample_from_probs).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import exponential_race
+from engine.sampler import sample_from_probs
 
 
 @dataclass
@@ -67,7 +67,7 @@ def rejection_sample(draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
     mass = residual.sum(dim=1, keepdim=True)
     # p == q exactly leaves no residual; rejection then has probability 0, keep p anyway
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
-    recovered = exponential_race(residual, generators)
+    recovered = sample_from_probs(residual, generators)
     recovered = torch.where(is_greedy, target_tokens[rows, at], recovered)
     bonus = target_tokens[rows, num_accepted]
     final = torch.where(num_accepted < num_drafts, recovered, bonus)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, apply_penalties
+from engine.sampler import Sampler, apply_penalties, sample_from_probs, token_at
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 
@@ -335,3 +335,40 @@ def test_all_random_flag_and_empty_outputs_with_penalties():
         peers = [t for t in (1, 2, 3) if t != i + 1]
         ratio = out.probs[i, peers[0]] / out.probs[i, i + 1]
         assert float(ratio) == pytest.approx(math.exp(2.0), rel=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.0, 1e-30, 1e-7, 0.3, 1.0, 5.0]), min_size=1,
+                max_size=40),
+       st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1, max_size=6),
+       st.booleans())
+def test_token_at_never_picks_a_zero_probability_token(weights, us, scaled):
+    """Any point in [0, 1), the ends included (u = 0 and the largest float64 below 1), lands
+    on a token with mass, for unnormalised rows (the rejection sampler's residuals) too."""
+    if not any(w > 0 for w in weights):
+        weights = weights + [1.0]
+    row = torch.tensor(weights, dtype=torch.float32) * (3.0 if scaled else 1.0)
+    us = us + [0.0, math.nextafter(1.0, 0.0)]
+    probs = row.expand(len(us), -1).contiguous()
+    got = token_at(probs, torch.tensor(us, dtype=torch.float64).unsqueeze(1))
+    assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
+    # and it is the inverse CDF: the first token whose cumulative mass passes u * total
+    cdf = torch.cumsum(row.double(), 0).tolist()
+    for u, tok in zip(us, got.tolist(), strict=True):
+        point = u * cdf[-1]
+        want = next(i for i, c in enumerate(cdf) if c > point and row[i] > 0)
+        near_edge = min(abs(c - point) for c in cdf) <= 1e-6 * cdf[-1]   # float32 rounding
+        assert tok == want or near_edge
+
+
+def test_seeded_draw_is_one_uniform_from_the_rows_generator():
+    """A seeded row consumes one uniform a step from its own generator, whatever the
+    vocabulary: the generator's next draw is the same after sampling rows of any width."""
+    after = []
+    for v in (10, 49152):
+        gen = torch.Generator().manual_seed(42)
+        sample_from_probs(torch.ones(1, v), {0: gen})
+        after.append(torch.rand(1, generator=gen, dtype=torch.float64).item())
+    ref = torch.Generator().manual_seed(42)
+    torch.rand(1, generator=ref, dtype=torch.float64)
+    assert after[0] == after[1] == torch.rand(1, generator=ref, dtype=torch.float64).item()
