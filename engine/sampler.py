@@ -168,8 +168,13 @@ def token_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tokens = torch.searchsorted(cdf, point, right=True).clamp_max(probs.shape[-1] - 1)
     # the token found has cdf[t] > point >= cdf[t-1], so mass of its own, unless a blocked
     # cumulative sum rounded two equal prefixes apart: never emit a zero-probability token
+    # (on a CPU only the rows concerned pay the argmax; elsewhere no host sync for it)
     zero = probs.gather(1, tokens) <= 0
-    tokens = torch.where(zero, probs.argmax(dim=-1, keepdim=True), tokens)
+    if probs.device.type != "cpu":
+        return torch.where(zero, probs.argmax(dim=-1, keepdim=True), tokens).squeeze(1)
+    if bool(zero.any()):
+        rows = zero.squeeze(1).nonzero().squeeze(1)
+        tokens[rows] = probs[rows].argmax(dim=-1, keepdim=True)
     return tokens.squeeze(1)
 
 

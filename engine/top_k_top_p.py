@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers import cpu_fused_ops
+
 # Slack when deciding whether the tokens before a candidate already reach top_p. Probabilities
 # come out of a float32 softmax + cumsum, so a cumulative mass that is mathematically exactly
 # top_p can land either side of it by ~1e-7; without slack the kept set would flip on rounding.
@@ -43,7 +45,31 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     survivors), set to -inf; per-row `top_k` (<= 0: off) and `top_p` (1: off)."""
     if logits.device.type != "cpu" or logits.shape[-1] <= CANDIDATES[0]:
         return top_k_top_p_sorted(logits, top_k, top_p)
+    if _kernel_serves(logits):
+        return _by_likely_tokens(logits, top_k, top_p)
     return _by_candidates(logits, top_k, top_p, 0)
+
+
+def _kernel_serves(logits: torch.Tensor) -> bool:
+    return (logits.dtype == torch.float32 and logits.dim() == 2
+            and cpu_fused_ops.available())
+
+
+def _by_likely_tokens(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """The C++ kernel (engine/csrc/cpu/top_k_top_p.cpp) decides each row from its tokens of
+    non-negligible probability; the rows it leaves undecided take the candidates' path."""
+    logits = logits.contiguous()
+    empty = torch.empty(0)
+    lse = torch.logsumexp(logits, -1) if top_p is not None else empty
+    out, decided = cpu_fused_ops.EXTENSION.load().top_k_top_p_cut(
+        logits, lse, empty.long() if top_k is None else top_k.long(),
+        empty if top_p is None else top_p.float(), TOP_P_EPS)
+    if not bool(decided.all()):
+        rows = (~decided).nonzero().squeeze(1)
+        out[rows] = _by_candidates(logits[rows], None if top_k is None else top_k[rows],
+                                   None if top_p is None else top_p[rows], 0)
+    return out
 
 
 def top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,

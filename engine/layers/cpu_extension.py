@@ -71,6 +71,7 @@ SOURCES = {
     "bf16_gemm_brgemm.cpp": ["-fno-math-errno"],
     "decode_layers.cpp": ["-fno-math-errno"],
     "fixed_order_linear.cpp": ["-ffp-contract=off"],
+    "top_k_top_p.cpp": ["-fno-math-errno"],
     "bindings.cpp": [],
 }
 HEADERS = ("cost_split.h", "ops.h", "prefill_common.h", "vec.h")

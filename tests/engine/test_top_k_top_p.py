@@ -1,7 +1,9 @@
 """The CPU top-k / top-p mask from candidates (engine/top_k_top_p.py) keeps exactly the
 tokens the sorted definition keeps: per-row k and p, ties at the cut (broken toward the
 lower id), rows that keep everything, and rows whose cut lies past the candidates (decided
-again from more candidates, then by the full sort)."""
+again from more candidates, then by the full sort). So does the C++ kernel that decides a
+row from its likely tokens (engine/csrc/cpu/top_k_top_p.cpp), the rows it leaves undecided
+included."""
 
 from __future__ import annotations
 
@@ -64,8 +66,24 @@ def test_candidates_keep_what_the_sort_keeps(batch, widths, use_k, use_p):
     assert torch.equal(got, want)
 
 
+@settings(max_examples=300, deadline=None)
+@given(batch=batches(), use_k=st.booleans(), use_p=st.booleans(),
+       odd=st.sampled_from([None, float("-inf"), float("inf"), float("nan")]))
+def test_likely_tokens_keep_what_the_sort_keeps(batch, use_k, use_p, odd):
+    logits, top_k, top_p = batch
+    if odd is not None:         # a row the kernel leaves to the general path
+        logits[0, 3] = odd
+    k, p = (top_k if use_k else None), (top_p if use_p else None)
+    assume(not _near_the_cut(logits.nan_to_num(), top_k if use_k
+                             else torch.full_like(top_k, -1),
+                             top_p if use_p else torch.ones_like(top_p)))
+    want = tkp.top_k_top_p_sorted(logits, k, p)
+    got = tkp._by_likely_tokens(logits, k, p)
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("case", ["peaked", "flat_p_near_one", "top_k_past_1024",
-                                  "top_k_past_8192", "mixed"])
+                                  "top_k_past_8192", "mixed", "tail_past_the_thresholds"])
 def test_full_vocabulary_rows_match_the_sort(case):
     v, g = 49_152, torch.Generator().manual_seed(7)
     logits = torch.randn(8, v, generator=g)
@@ -79,6 +97,12 @@ def test_full_vocabulary_rows_match_the_sort(case):
         top_k = torch.full((8,), 5000)
     elif case == "top_k_past_8192":
         top_k, top_p = torch.full((8,), 20_000), torch.full((8,), 1.0)
+    elif case == "tail_past_the_thresholds":
+        # one dominant token; the other 49,151 each under the kernel's last threshold
+        # (1e-9) but together 1e-5 of the mass, which p = 0.999999 needs: undecided there
+        logits = torch.full((8, v), -23.0) + logits * 0.01
+        logits[:, 17] = 0.0
+        top_p = torch.full((8,), 0.999999)
     else:
         logits = logits.to(torch.bfloat16).float() * 3     # ties
         top_k = torch.tensor([-1, 1, 50, 5000, -1, 30_000, 7, -1])

@@ -38,6 +38,10 @@ TORCH_LIBRARY(pdserve, m) {
   m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> Tensor[]",
         TORCH_FN(pdserve::add_rms_norm));
   m.def("argmax_rows(Tensor x) -> Tensor", TORCH_FN(pdserve::argmax_rows));
+  m.def(
+      "top_k_top_p_cut(Tensor logits, Tensor lse, Tensor top_k, Tensor top_p, float slack) "
+      "-> Tensor[]",
+      TORCH_FN(pdserve::top_k_top_p_cut));
   m.def("bf16_gemm_supported() -> bool", TORCH_FN(pdserve::bf16_gemm_supported));
   m.def("bf16_gemm_pack(Tensor weight) -> Tensor", TORCH_FN(pdserve::bf16_gemm_pack));
   m.def("bf16_gemm_pack_silu_mul(Tensor weight) -> Tensor",

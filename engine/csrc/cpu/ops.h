@@ -42,6 +42,11 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> res
                                      at::Tensor weight, double eps);
 at::Tensor argmax_rows(at::Tensor x);
 
+// top_k_top_p.cpp: sampling logits masked to top-k / top-p from each row's likely tokens;
+// {masked logits, rows decided} (an undecided row is left for the caller's general path)
+std::vector<at::Tensor> top_k_top_p_cut(at::Tensor logits, at::Tensor lse, at::Tensor top_k,
+                                        at::Tensor top_p, double slack);
+
 // bf16_gemm.cpp: the weight-streaming bf16 GEMM (AVX512-BF16) and its packed layouts
 bool bf16_gemm_supported();
 at::Tensor bf16_gemm_pack(at::Tensor w);
