@@ -8,12 +8,14 @@ It must not import the project when --engine vllm (the peer venv does not have i
 
 SPEC: {"model": folder, "dtype": "bfloat16", "max_model_len": int, "max_num_seqs": int,
        "kv_gb": KV cache GiB (vLLM takes it from VLLM_CPU_KVCACHE_SPACE, set by the parent),
-       "workloads": {name: [{"prompt": [ids], "max_tokens": n}, ...], ...}}
+       "workloads": {name: [{"prompt": [ids], "max_tokens": n, sampled workloads also
+                              "temperature", "top_p", "seed"}, ...], ...}}
 OUT:  {"workloads": {name: {"tokens": [[ids], ...], "elapsed_s": wall seconds}},
        "ready_s": process start -> engine built, "first_output_s": process start -> the
        first output of a one-token warm-up request, "peak_rss_mb": the process's peak RSS,
        "tree_peak_rss_mb": the peaks of it and its live child processes, summed}
-Greedy, ignore_eos: every request produces exactly max_tokens tokens. The workloads run
+Greedy unless a request carries temperature, top_p and seed; ignore_eos: every request
+produces exactly max_tokens tokens. The workloads run
 one after another in the order given, after the warm-up.
 """
 
@@ -39,8 +41,7 @@ def run_ours(spec: dict) -> tuple[callable, callable]:
 
     def generate(reqs: list[dict]) -> list[list[int]]:
         outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in reqs],
-                            [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                            ignore_eos=True) for r in reqs])
+                            [SamplingParams(**sampling(r)) for r in reqs])
         return [list(o.outputs[0].token_ids) for o in outs]
     return generate
 
@@ -54,10 +55,19 @@ def run_vllm(spec: dict):
 
     def generate(reqs: list[dict]) -> list[list[int]]:
         outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs],
-                            [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                                            ignore_eos=True) for r in reqs], use_tqdm=False)
+                            [SamplingParams(**sampling(r)) for r in reqs], use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
     return generate
+
+
+def sampling(req: dict) -> dict:
+    """SamplingParams keywords both engines take: greedy unless the request says, always
+    ignore_eos (every request produces exactly max_tokens)."""
+    out = {"max_tokens": req["max_tokens"], "temperature": req.get("temperature", 0.0),
+           "ignore_eos": True}
+    if "top_p" in req:
+        out.update(top_p=req["top_p"], seed=req["seed"])
+    return out
 
 
 def tree_peak_rss_mb() -> float:

@@ -16,10 +16,12 @@ and each process runs every workload after a one-token warm-up. The ratio's deno
 the best vLLM setup on that workload, in that round. Every engine must return each
 request's full output length (a short answer fails the run: its tok/s would flatter it).
 
-Workloads (random token ids from fixed seeds, greedy, ignore_eos):
+Workloads (random token ids from fixed seeds, greedy unless said, ignore_eos):
   mixed    64 requests, prompts 32-512, outputs 32-256
   uniform  32 requests, 128-token prompts, 128 output tokens
   short    48 requests, prompts 16-128, outputs 64-192
+  sampled  64 requests, 128-token prompts, 128 output tokens, sampled at temperature 0.8,
+           top-p 0.95, a seed each (not in the default list: ask --workloads sampled)
 Reported: useful output tokens/s, ours / best vLLM, greedy agreement with vllm-2t
 (identical sequences; bf16 kernels may differ in low bits, so this reports, never fails),
 peak RSS and the time from process start to the first output.
@@ -42,7 +44,9 @@ from bench.machine import cpu_line, cpu_record, kernels_line
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {"mixed": (64, (32, 512), (32, 256), 1), "uniform": (32, (128, 128), (128, 128), 2),
-             "short": (48, (16, 128), (64, 192), 3)}
+             "short": (48, (16, 128), (64, 192), 3), "sampled": (64, (128, 128), (128, 128), 4)}
+# workloads sampled rather than greedy: (temperature, top-p); request i is seeded with i
+SAMPLED = {"sampled": (0.8, 0.95)}
 PEER_PYTHON = vllm_setups.PEER_PYTHON
 KV_GB = 2
 
@@ -103,7 +107,7 @@ def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int,
     tmp = Path(tmp_dir.name)
     spec = {"model": _plain_model(model, tmp), "dtype": dtype, "max_num_seqs": 64, "kv_gb": KV_GB,
             "max_model_len": -(-max_len // 256) * 256,
-            "workloads": {w: [{"prompt": r.prompt, "max_tokens": r.max_tokens} for r in rs]
+            "workloads": {w: [request_spec(w, i, r) for i, r in enumerate(rs)]
                           for w, rs in reqs.items()}}
     runs: list[dict] = []
     names = list(engines(os.cpu_count() or 1))
@@ -123,6 +127,15 @@ def run(model: str, dtype: str, workloads: list[str], rounds: int, vocab: int,
     useful = {w: sum(r.max_tokens for r in rs) for w, rs in reqs.items()}
     return {"model": model, "dtype": dtype, "useful_tokens": useful, "runs": runs,
             "machine": cpu_record(), "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def request_spec(workload: str, index: int, req) -> dict:
+    """One request as engine_runner.py takes it: greedy, or sampled with a seed of its own."""
+    spec = {"prompt": req.prompt, "max_tokens": req.max_tokens}
+    if workload in SAMPLED:
+        temperature, top_p = SAMPLED[workload]
+        spec.update(temperature=temperature, top_p=top_p, seed=index)
+    return spec
 
 
 def check_full_length(name: str, result: dict, reqs: dict) -> None:
@@ -154,7 +167,8 @@ def summarize(result: dict) -> str:
         n = len(by[(rounds[0], "ours")]["workloads"][w]["tokens"])
         rows.append([w, *(" / ".join(f"{x:.0f}" for x in tps[e]) for e in ("ours", *peers)),
                      " / ".join(f"{x:.2f}x" for x in ratios),
-                     f"{statistics.median(ratios):.2f}x", f"{min(same)}/{n}"])
+                     f"{statistics.median(ratios):.2f}x",
+                     "sampled" if w in SAMPLED else f"{min(same)}/{n}"])
     out = [md_table(["workload", "ours tok/s", *(f"{e} tok/s" for e in peers),
                      "ours / best vLLM (per round)", "median",
                      f"identical greedy (vs {peers[0]})"], rows), ""]
