@@ -9,12 +9,12 @@ It must not import the project when --engine vllm (the peer venv does not have i
 SPEC: {"model": folder, "dtype": "bfloat16", "max_model_len": int, "max_num_seqs": int,
        "kv_gb": KV cache GiB (vLLM takes it from VLLM_CPU_KVCACHE_SPACE, set by the parent),
        "workloads": {name: [{"prompt": [ids], "max_tokens": n, sampled workloads also
-                              "temperature", "top_p", "seed"}, ...], ...}}
+                              "temperature", "top_p", maybe "seed"}, ...], ...}}
 OUT:  {"workloads": {name: {"tokens": [[ids], ...], "elapsed_s": wall seconds}},
        "ready_s": process start -> engine built, "first_output_s": process start -> the
        first output of a one-token warm-up request, "peak_rss_mb": the process's peak RSS,
        "tree_peak_rss_mb": the peaks of it and its live child processes, summed}
-Greedy unless a request carries temperature, top_p and seed; ignore_eos: every request
+Greedy unless a request carries a temperature (and top_p, seed); ignore_eos: every request
 produces exactly max_tokens tokens. The workloads run
 one after another in the order given, after the warm-up.
 """
@@ -65,8 +65,7 @@ def sampling(req: dict) -> dict:
     ignore_eos (every request produces exactly max_tokens)."""
     out = {"max_tokens": req["max_tokens"], "temperature": req.get("temperature", 0.0),
            "ignore_eos": True}
-    if "top_p" in req:
-        out.update(top_p=req["top_p"], seed=req["seed"])
+    out.update({k: req[k] for k in ("top_p", "seed") if k in req})
     return out
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tools.mtp_features as features
 from tools.mtp_corpus import (
@@ -222,3 +224,22 @@ def test_a_low_teacher_temperature_is_the_cross_entropy_of_the_target_top1():
     assert torch.allclose(distill_loss(logits, lp, ids), soft, atol=1e-6)
     assert torch.allclose(distill_loss(logits, lp, ids, temp=1e-3), hard, atol=1e-5)
     assert not torch.allclose(soft, hard, atol=1e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(1, 6)), min_size=1, max_size=5),
+       st.integers(0, 3))
+def test_parts_stack_padded_with_zeros_past_each_parts_length(shapes, extra):
+    """Each part's rows land in order, its columns first, zeros after, to the longest
+    part's length (or more): what the torch.cat of padded copies it replaced gave."""
+    g = torch.Generator().manual_seed(len(shapes) * 7 + extra)
+    parts = [torch.randn(n, length, 3, generator=g).bfloat16() for n, length in shapes]
+    length = max(t.shape[1] for t in parts) + extra
+    got = features._cat_padded(parts, length)
+    assert got.shape == (sum(n for n, _ in shapes), length, 3) and got.dtype == torch.bfloat16
+    row = 0
+    for t in parts:
+        block = got[row:row + t.shape[0]]
+        assert torch.equal(block[:, :t.shape[1]], t)
+        assert not block[:, t.shape[1]:].any()
+        row += t.shape[0]
