@@ -24,7 +24,10 @@ with nothing else running; docs/perf/HISTORY.md has each stage's measurements):
    epochs at 4e-4, then two more at 6e-4 (~12 min of corpus and features, 8-9 min a run);
 9. part 9 beside them (tools/mtp_selfgen.py: requests and raw text the target samples
    itself), one epoch at 4e-4, then one at 6e-4 (~29 min of prompts, answers and
-   features, ~13 min a run).
+   features, ~13 min a run);
+10. part 10 beside those (a second draw of self-written requests and raw text, its answers
+    sampled at temperature 0.8, top-p 0.95), one epoch at 4e-4 (~30 min of prompts,
+    answers and features on a quiet machine, ~30 min the run; ~14 GB of memory).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ STAGES: list[tuple[str, list[str]]] = [
     ("8b-broad", ["--parts", "7,8", "--epochs", "2", "--lr", "6e-4", *SHARP, *AUX]),
     ("9a-self", ["--parts", "7,8,9", "--epochs", "1", "--lr", "4e-4", *SHARP, *AUX]),
     ("9b-self", ["--parts", "7,8,9", "--epochs", "1", "--lr", "6e-4", *SHARP, *AUX]),
+    ("10-self-sampled", ["--parts", "7,8,9,10", "--epochs", "1", "--lr", "4e-4", *SHARP, *AUX]),
 ]
 
 
