@@ -82,8 +82,8 @@ int64_t cut(std::vector<Cand>& cand, int64_t k, int64_t V, double p, double lse,
 
 std::vector<at::Tensor> top_k_top_p_cut(at::Tensor logits, at::Tensor lse, at::Tensor top_k,
                                         at::Tensor top_p, double slack) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 &&
-                  logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.is_contiguous(),
               "top_k_top_p_cut: logits must be a contiguous CPU float32 [rows, vocab] tensor");
   const int64_t N = logits.size(0), V = logits.size(1);
   const bool has_k = top_k.numel() > 0, has_p = top_p.numel() > 0;
