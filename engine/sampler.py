@@ -2,10 +2,11 @@
 (docs/ARCHITECTURE.md, 'The execution trunk', step 6).
 
 Order: penalties -> temperature -> top-k -> top-p -> min-p -> softmax -> sample -> logprobs.
-Everything is batched over rows; the only Python loop is over seeded rows' generators. No
-`.item()` or other host read-back happens here, so a step never stalls on the device: the
-decisions that skip work (all_greedy, no_top_k, ...) were taken on the host in
-SamplingMetadata.build.
+Everything is batched over rows; the only Python loop is over seeded rows' generators. On
+an accelerator no `.item()` or other host read-back happens here, so a step never stalls
+on the device: the decisions that skip work (all_greedy, no_top_k, ...) were taken on the
+host in SamplingMetadata.build. On a CPU, where a read-back costs nothing, top-k / top-p
+and the draw's guard read counts back to skip work.
 """
 
 from __future__ import annotations

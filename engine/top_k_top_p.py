@@ -6,7 +6,14 @@ mass reaches p survives top-p; ties are broken toward the lower token id. A full
 a 49,152-token row costs about 4 ms on a 2-core CPU, so a batch of 64 sampled rows spent
 ~270 ms a step sorting, several decode steps' worth.
 
-On CPU `apply_top_k_top_p` computes the same mask from the top candidates only: the
+On CPU `apply_top_k_top_p` first asks the C++ kernel (engine/csrc/cpu/top_k_top_p.cpp):
+a row's tokens of probability >= 1e-4 (then >= 1e-9) are the first of its sorted order, so
+they decide the cut unless top-k reaches below them or the nucleus is wider; sorting only
+them, and only as far as the cut, made sampled decoding 2.4x faster at batch 64 (history:
+"Sampled decoding: one uniform a row, top-p in C++"). The rows it leaves undecided take
+the candidates' path below.
+
+The candidates' path computes the same mask from the top candidates only: the
 number of positions a row keeps, c, depends only on the sorted values, and torch.topk
 gives the largest values in the same descending order. Once c is known, a row keeps every
 logit above its c-th value b and, among the logits equal to b, the lowest ids until c are

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.mtp_corpus import SELF_PARTS
 from tools.mtp_recipe import STAGES, commands
 from tools.train_mtp import build_parser
 
@@ -30,7 +31,7 @@ def test_stages_chain_through_init_and_end_at_out(tmp_path):
     assert parsed[-1].out == str(out)
     assert len({p.out for p in parsed}) == len(parsed)
     covered = {k for p in parsed for k in p.parts}
-    assert covered == set(range(1, 10))
+    assert covered == set(range(1, max(SELF_PARTS) + 1))    # every corpus part, in order
 
 
 def test_feature_caches_are_kept_apart_per_aux_setting(tmp_path):
