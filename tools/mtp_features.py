@@ -234,3 +234,18 @@ def load_or_build_features(args, tok):
     length = max(p[0].shape[1] for p in pieces)
     data = tuple(_cat_padded([p[i] for p in pieces], length) for i in range(6))
     return data, n_train, n_chat
+
+
+def large_blocks_from_mmap() -> None:
+    """Allocations of 1 MB and more straight from mmap, given back when freed. Training's
+    per-step tensors change shape every batch (sequence lengths, the sampled vocabulary),
+    and from glibc's heap their holes grew the process from 14 to 24 GB in ~900 steps over
+    parts 7-10's 11 GB of features (swap-less: the machine stalled). Same as
+    MALLOC_MMAP_THRESHOLD_=1048576; a no-op off glibc."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)       # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)       # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass

@@ -53,7 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.models.loader import load_model  # noqa: E402
 from engine.models.mtp import _FUSED, _PARTS, AUX_LAYERS_KEY, DRAFT_VOCAB_KEY, MTPModule  # noqa: E402
 from tools.mtp_corpus import RAW_COUNT, TOPICS  # noqa: E402
-from tools.mtp_features import DenseCausal, load_or_build_features, residual_scale  # noqa: E402
+from tools.mtp_features import (  # noqa: E402
+    DenseCausal,
+    large_blocks_from_mmap,
+    load_or_build_features,
+    residual_scale,
+)
 
 
 def init_from_target(mtp: MTPModule, model, scales: tuple[float, float]) -> None:
@@ -327,21 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpus-cache", help="keep the generated corpus here between runs (.pt)")
     ap.add_argument("--cache", help="keep the corpus features here between runs (.pt)")
     return ap
-
-
-def large_blocks_from_mmap() -> None:
-    """Allocations of 1 MB and more straight from mmap, given back when freed. Training's
-    per-step tensors change shape every batch (sequence lengths, the sampled vocabulary),
-    and from glibc's heap their holes grew the process from 14 to 24 GB in ~900 steps over
-    parts 7-10's 11 GB of features (swap-less: the machine stalled). Same as
-    MALLOC_MMAP_THRESHOLD_=1048576; a no-op off glibc."""
-    import ctypes
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)       # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 20)       # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def main() -> int:
