@@ -47,3 +47,13 @@ requires_avx512_core = pytest.mark.skipif(
     not has_avx512_core(),
     reason="this CPU has no AVX512 (F/BW/VL/DQ), so the brgemm kernel never runs here (its "
            "availability is checked by tests/engine/test_cpu_features.py)")
+
+
+def has_amx_bf16() -> bool:
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+requires_amx_bf16 = pytest.mark.skipif(
+    not has_amx_bf16(),
+    reason="this CPU has no AMX-BF16, so the paged kernel's tile path never runs here (its "
+           "availability is checked by tests/engine/test_cpu_features.py)")

@@ -49,6 +49,13 @@ LONG_CONTEXT = {
     "qwen2-long": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1,
                                  tie_word_embeddings=False, max_position_embeddings=2048)),
 }
+# not in the exactness grids: the head shape of SmolLM2's attention (head_dim 64, 3 query
+# heads a KV head), which the paged kernel's AVX512-BF16 and AMX paths are written for
+KERNEL_SHAPES = {
+    "llama-hd64-gqa3": ("llama", dict(hidden_size=96, num_attention_heads=3,
+                                      num_key_value_heads=1, head_dim=64,
+                                      tie_word_embeddings=True)),
+}
 
 
 def _config(arch: str, overrides: dict):
@@ -71,7 +78,7 @@ def _config(arch: str, overrides: dict):
 def make_tiny_model(name: str, root: Path, seed: int = 0):
     """Create (or reuse) the model folder; returns (folder, hf_model in float32)."""
     from transformers import AutoModelForCausalLM
-    arch, overrides = {**CONFIGS, **LONG_CONTEXT}[name]
+    arch, overrides = {**CONFIGS, **LONG_CONTEXT, **KERNEL_SHAPES}[name]
     folder = root / name
     if (folder / "config.json").is_file():
         return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -28,7 +28,7 @@ import logging
 import torch
 
 from engine.forward_input import AttentionMetadata
-from engine.layers import cpu_extension, kernel_choice, kernel_select
+from engine.layers import cpu_extension, decode_attention_choice, kernel_choice, kernel_select
 from engine.layers.sdpa_attention import SdpaAttention
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ TIMED_ROWS = ((384, 0), (128, 256))
 
 def choose_for(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
                device: torch.device) -> dict[str, str]:
-    """`choose` for every attention backend of `model`'s layers (a shared one once):
-    {shape: path}."""
+    """`choose` for every attention backend of `model`'s layers (a shared one once), and
+    its decode rows' path (engine/layers/decode_attention_choice.py): {shape: path}."""
     table, seen = {}, set()
     for m in model.modules():
         backend = getattr(m, "backend", None)
@@ -49,8 +49,13 @@ def choose_for(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
         seen.add(id(backend))
         path = choose(backend, m.num_heads, m.num_kv_heads, m.head_dim, block_size, dtype,
                       device)
+        shape = f"[{m.num_heads}, {m.num_kv_heads}, {m.head_dim}] block {block_size}"
         if path is not None:
-            table[f"[{m.num_heads}, {m.num_kv_heads}, {m.head_dim}] block {block_size}"] = path
+            table[shape] = path
+        path = decode_attention_choice.choose(backend, m.num_heads, m.num_kv_heads,
+                                              m.head_dim, block_size, dtype, device)
+        if path is not None:
+            table[f"decode {shape}"] = path
     return table
 
 

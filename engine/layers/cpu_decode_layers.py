@@ -47,8 +47,9 @@ def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], k_caches: list[t
                   kv_lens: torch.Tensor, dims: list[int], eps: float,
                   scale: float, aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """[x, residual, aux streams...] after every layer; `dims` = [rows, Hq, Hkv, head_dim,
-    intermediate, rows from which the MLP takes the GEMM epilogues, whether the model
-    has cpu_bf16_gemm's copies (1) or not (0)]."""
+    intermediate, rows from which the MLP takes the GEMM epilogues, the kernel of the qkv,
+    o, gate/up and down linears (0 oneDNN, 1 cpu_bf16_gemm's VDPBF16PS copy, 2 its brgemm
+    copy), the paged attention's path (its index in cpu_paged_attention.DECODE_PATHS)]."""
     return EXTENSION.load().decode_layers(x, weights, k_caches, v_caches, positions, cos, sin,
                                           slot_mapping, block_tables, kv_lens, dims,
                                           eps, scale, list(aux_layers))

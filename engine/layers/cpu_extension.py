@@ -63,6 +63,7 @@ LIBRARY = "pdserve_cpu.so"
 # each source and its own flags, on top of COMMON_FLAGS
 SOURCES = {
     "paged_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
+    "paged_attention_amx.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "prefill_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "prefill_attention_brgemm.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "latent_attention.cpp": ["-fno-math-errno"],

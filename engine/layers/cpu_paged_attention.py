@@ -42,14 +42,29 @@ def fast_bf16_rows(dtype: torch.dtype, head_dim: int, groups: int) -> bool:
             and 1 <= groups <= 4 and mod.paged_bf16_d64_fast())
 
 
+# the kernel's paths: "vector" (paged_attention.cpp: AVX512-BF16 dot products where the
+# CPU has them, a generic loop elsewhere) and "amx" (paged_attention_amx.cpp: the scores
+# on the AMX tiles); their codes in decode_layers' dims
+DECODE_PATHS = ("vector", "amx")
+
+
+def amx_fits(dtype: torch.dtype, head_dim: int, groups: int, block_size: int) -> bool:
+    """Whether caches of this shape can take the "amx" path here: bf16, head_dim 64, 1-4
+    query heads a KV head, blocks of a multiple of 16 keys, and the CPU, the build and the
+    OS allowing the tiles."""
+    mod = kernel()
+    return (mod is not None and dtype == torch.bfloat16 and head_dim == 64
+            and 1 <= groups <= 4 and block_size % 16 == 0 and mod.paged_amx_decode_available())
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, rows: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, path: str = "vector") -> torch.Tensor:
     mod = kernel()
     if mod is None:
         raise RuntimeError(f"CPU paged attention kernel unavailable: {EXTENSION.failed}")
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()      # else a view into the fused qkv rows is read in place
-    return mod.paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                      kv_lens, rows, scale)
+    op = mod.paged_decode_attention_amx if path == "amx" else mod.paged_decode_attention
+    return op(q, k_cache, v_cache, block_tables, kv_lens, rows, scale)
 

@@ -26,6 +26,11 @@ Environment switches (read only by `from_env`):
                                      attention_choice.py), or force the tile kernel, the
                                      brgemm kernel (AMX where present), the decode kernel
                                      row by row, or torch's SDPA
+    PDSERVE_CPU_DECODE_ATTENTION=    the paged decode kernel's path: measure (default: the
+        measure|vector|amx           faster of the two that run here, timed once a machine
+                                     when the KV cache is made: engine/layers/
+                                     decode_attention_choice.py), or force its vector path
+                                     or its AMX-scored one
     PDSERVE_CPU_BF16_GEMM=0          bf16 linears through oneDNN, not the weight-streaming
                                      GEMM of engine/layers/cpu_bf16_gemm.py (default: each
                                      shape and row bucket takes the fastest of oneDNN and
@@ -55,6 +60,8 @@ PREFILL_TILES_ENV = "PDSERVE_CPU_PREFILL_TILES"
 BF16_GEMM_ENV = "PDSERVE_CPU_BF16_GEMM"
 PREFILL_ATTENTION_ENV = "PDSERVE_CPU_PREFILL_ATTENTION"
 PREFILL_ATTENTION_PATHS = ("tiles", "brgemm", "rows", "sdpa")
+DECODE_ATTENTION_ENV = "PDSERVE_CPU_DECODE_ATTENTION"
+DECODE_ATTENTION_PATHS = ("vector", "amx")
 BATCH_INVARIANT_LINEAR_ENV = "PDSERVE_BATCH_INVARIANT_LINEAR"
 MLA_ABSORBED_DECODE_ENV = "PDSERVE_MLA_ABSORBED_DECODE"
 
@@ -81,6 +88,8 @@ class KernelOptions:
     # bf16 prefill attention on CPU: "measure" (the fastest that runs, per shape and
     # machine) or one of PREFILL_ATTENTION_PATHS forced
     cpu_prefill_attention: str = "measure"
+    # the paged decode kernel's path on CPU: "measure" or one of DECODE_ATTENTION_PATHS
+    cpu_decode_attention: str = "measure"
     # packed bf16 linears through the weight-streaming GEMM of
     # engine/layers/cpu_bf16_gemm.py (AVX512-BF16), which keeps its own packed copy
     cpu_bf16_gemm: bool = True
@@ -110,7 +119,10 @@ class KernelOptions:
                    cpu_decode_layers=env.get(DECODE_LAYERS_ENV, "1") != "0",
                    cpu_prefill_tiles=env.get(PREFILL_TILES_ENV, "1") != "0",
                    cpu_bf16_gemm=env.get(BF16_GEMM_ENV, "1") != "0",
-                   cpu_prefill_attention=_prefill_attention(env.get(PREFILL_ATTENTION_ENV)),
+                   cpu_prefill_attention=_path(env.get(PREFILL_ATTENTION_ENV),
+                                               PREFILL_ATTENTION_ENV, PREFILL_ATTENTION_PATHS),
+                   cpu_decode_attention=_path(env.get(DECODE_ATTENTION_ENV),
+                                              DECODE_ATTENTION_ENV, DECODE_ATTENTION_PATHS),
                    cpu_bf16_gemm_measure=env.get(BF16_GEMM_ENV, "1") not in ("always",
                                                                                "brgemm"),
                    cpu_bf16_gemm_kernel=("brgemm" if env.get(BF16_GEMM_ENV) == "brgemm"
@@ -135,12 +147,11 @@ class KernelOptions:
                        cpu_decode_layers=False, cpu_prefill_tiles=False, cpu_bf16_gemm=False)
 
 
-def _prefill_attention(value: str | None) -> str:
+def _path(value: str | None, env: str, paths: tuple[str, ...]) -> str:
     if not value:
         return "measure"
-    if value not in ("measure", *PREFILL_ATTENTION_PATHS):
-        raise ValueError(f"{PREFILL_ATTENTION_ENV}={value!r}: expected measure or one of "
-                         f"{', '.join(PREFILL_ATTENTION_PATHS)}")
+    if value not in ("measure", *paths):
+        raise ValueError(f"{env}={value!r}: expected measure or one of {', '.join(paths)}")
     return value
 
 

@@ -72,6 +72,13 @@ class SdpaAttention:
         # forced or measured one (engine/layers/attention_choice.py) is set here
         self.prefill_path: str | None = (None if kernels.cpu_prefill_attention == "measure"
                                          else kernels.cpu_prefill_attention)
+        # the paged kernel's path for decode rows (and batch-invariant prefill rows, whose
+        # bits must be the decode rows'): "vector" until the KV cache is made, then the
+        # forced or measured one (engine/layers/decode_attention_choice.py), set only where
+        # it fits the caches
+        self.decode_path = "vector"
+        self.forced_decode_path: str | None = (None if kernels.cpu_decode_attention == "measure"
+                                               else kernels.cpu_decode_attention)
         if self.rowwise_prefill and not self.use_cpu_kernel:
             raise RuntimeError(
                 "batch_invariant needs the CPU paged attention kernel (a CPU device, the "
@@ -121,7 +128,7 @@ class SdpaAttention:
         if plan.kv_lens is not None:
             return cpu_paged_attention.paged_decode_attention(
                 q[:n], k_cache, v_cache, plan.meta.block_tables[:plan.num_dec],
-                plan.kv_lens, rows, self.scale)
+                plan.kv_lens, rows, self.scale, self.decode_path)
         groups = plan.groups
         if len(groups) == 1 and groups[0].q_rows is None:
             return self._decode(q[:n], k_cache, v_cache, groups[0], rows)
@@ -271,4 +278,5 @@ class SdpaAttention:
         tables, kv_lens = plan.prefill_rows
         n = kv_lens.shape[0]
         out[tok0:tok0 + n] = cpu_paged_attention.paged_decode_attention(
-            q[tok0:tok0 + n], k_cache, v_cache, tables, kv_lens, 1, self.scale)
+            q[tok0:tok0 + n], k_cache, v_cache, tables, kv_lens, 1, self.scale,
+            self.decode_path)

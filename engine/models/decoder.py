@@ -25,6 +25,7 @@ from engine.forward_input import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.layers import cpu_bf16_gemm, cpu_decode_layers
 from engine.layers.attention import get_attention_backend
+from engine.layers.cpu_paged_attention import DECODE_PATHS
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, silu_mul_packed
 from engine.layers.norm import RMSNorm
@@ -232,6 +233,8 @@ class DecodeLayers:
         self.dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.intermediate_size,
                      FUSED_SILU_MUL_ROWS, *codes]
         self.eps, self.scale = cfg.rms_norm_eps, model.attention.scale
+        # its decode_path is read at each call: it is chosen after the model is built
+        self.attention = model.attention
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> DecodeLayers | None:
@@ -268,4 +271,5 @@ class DecodeLayers:
         return cpu_decode_layers.decode_layers(
             x, self.weights, kv_cache.k, kv_cache.v, positions, self.rotary.cos,
             self.rotary.sin_signed, meta.slot_mapping, meta.block_tables, plan.kv_lens,
-            [plan.rows, *self.dims], self.eps, self.scale, aux_layers)
+            [plan.rows, *self.dims, DECODE_PATHS.index(self.attention.decode_path)],
+            self.eps, self.scale, aux_layers)

@@ -13,8 +13,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.layers import cpu_bf16_gemm
-from engine.layers.kernel_options import BF16_GEMM_ENV, DECODE_LAYERS_ENV
+from engine.layers.kernel_options import BF16_GEMM_ENV, DECODE_ATTENTION_ENV, DECODE_LAYERS_ENV
 from engine.layers.linear import FUSED_SILU_MUL_ROWS, Linear, can_pack
+from tests.cpu_features import requires_amx_bf16
 from tests.tiny_models import make_tiny_model, random_prompts
 from tests.tiny_mtp import with_mtp
 
@@ -121,6 +122,24 @@ def test_mtp_verify_rows_equal_the_python_layers(root, monkeypatch):
     served = _both_paths(llm.engine.worker.model)
     _generate(llm, 6, seed=1)
     assert any(rows == 3 for _, rows in served), served
+
+
+@requires_amx_bf16
+@needs_packed_bf16
+def test_decode_forwards_on_the_tile_path_equal_the_python_layers(root, monkeypatch):
+    """SmolLM2's head shape with the paged kernel's AMX path forced: the backend takes it,
+    and the one C++ call (the path's code in its dims) gives the Python layers' bits. The
+    two paths agree bit for bit on most rows, so this checks that the call runs the path
+    and agrees, not which one ran: tests/engine/test_paged_decode_rows.py checks the paths."""
+    monkeypatch.setenv(DECODE_ATTENTION_ENV, "amx")
+    folder, _ = make_tiny_model("llama-hd64-gqa3", root)
+    llm = LLM(folder, dtype="bfloat16", block_size=16, max_num_seqs=24)
+    model = llm.engine.worker.model
+    assert model.attention.decode_path == "amx"
+    served = _both_paths(model)
+    outs = _generate(llm, 12)
+    assert all(len(o.outputs[0].token_ids) == 4 + 3 * i for i, o in enumerate(outs))
+    assert served
 
 
 @pytest.mark.parametrize("name,dtype,env", [

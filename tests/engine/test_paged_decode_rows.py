@@ -1,5 +1,6 @@
 """The bf16 paged decode kernel (head_dim 64: the AVX512-BF16 path where the CPU has it, the
-generic loop elsewhere; the same properties hold for both) over batches Hypothesis draws:
+generic loop elsewhere, and the path that scores on AMX tiles where the CPU has those; the
+same properties hold for all) over batches Hypothesis draws:
 rows of unequal lengths (0 keys included), blocks scattered through the cache, 1-4 query
 heads a KV head, one or two threads. The kernel splits its (row, KV head) items over the
 threads by their keys and prefetches the next item's blocks, so what must hold is:
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.layers import cpu_paged_attention
+from tests.cpu_features import requires_amx_bf16
 
 D, BS, HK = 64, 16, 2
 
@@ -57,8 +59,11 @@ def _batch(seed: int, lens: list[int], groups: int, dtype=torch.bfloat16):
     return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def _run(q, kc, vc, tables, lens):
-    return cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, lens, 1, 0.125)
+def _run(q, kc, vc, tables, lens, path="vector"):
+    return cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, lens, 1, 0.125, path)
+
+
+PATHS = ["vector", pytest.param("amx", marks=requires_amx_bf16)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,13 +76,14 @@ def _kernel_built():
        lens=st.lists(st.integers(0, 200), min_size=1, max_size=12),
        groups=st.integers(1, 4),
        threads=st.sampled_from([1, 2]))
-def test_rows_match_reference_and_do_not_depend_on_the_batch(seed, lens, groups, threads):
+@pytest.mark.parametrize("path", PATHS)
+def test_rows_match_reference_and_do_not_depend_on_the_batch(path, seed, lens, groups, threads):
     q, kc, vc, tables, kv_lens = _batch(seed, lens, groups)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = _run(q, kc, vc, tables, kv_lens)
-        alone = [_run(q[r:r + 1], kc, vc, tables[r:r + 1], kv_lens[r:r + 1])
+        got = _run(q, kc, vc, tables, kv_lens, path)
+        alone = [_run(q[r:r + 1], kc, vc, tables[r:r + 1], kv_lens[r:r + 1], path)
                  for r in range(len(lens))]
     finally:
         torch.set_num_threads(before)
@@ -108,9 +114,29 @@ def test_thread_count_does_not_change_bits(dtype):
     assert torch.equal(one[3], torch.zeros_like(one[3]))   # the row without keys
 
 
-def test_a_negative_or_missing_length_is_an_error_not_a_crash():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_negative_or_missing_length_is_an_error_not_a_crash(path):
     q, kc, vc, tables, kv_lens = _batch(3, [20, 40], 2)
     with pytest.raises(RuntimeError, match="kv length -1 of row 1"):
-        _run(q, kc, vc, tables, torch.tensor([20, -1], dtype=torch.int32))
+        _run(q, kc, vc, tables, torch.tensor([20, -1], dtype=torch.int32), path)
     with pytest.raises(RuntimeError, match="a kv length for every row"):
-        _run(q, kc, vc, tables, kv_lens[:1])
+        _run(q, kc, vc, tables, kv_lens[:1], path)
+
+
+@requires_amx_bf16
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16),
+       lens=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+       groups=st.integers(1, 4), rows=st.integers(1, 4))
+def test_the_tile_path_agrees_with_the_vector_path(seed, lens, groups, rows):
+    """The two paths differ only in how a score's 64 products are summed (the V pass is the
+    same FMAs in the same order), so their outputs agree to within a bf16 rounding step,
+    verify runs of `rows` rows a sequence included."""
+    q, kc, vc, tables, kv_lens = _batch(seed, lens, groups)
+    q = q.repeat_interleave(rows, dim=0)
+    row_lens = torch.tensor([max(0, n - rows + 1 + j) for n in lens for j in range(rows)],
+                            dtype=torch.int32)
+    got, want = (cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, row_lens, rows,
+                                                            0.125, p) for p in ("amx", "vector"))
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=4e-3)

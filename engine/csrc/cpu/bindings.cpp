@@ -13,6 +13,11 @@ TORCH_LIBRARY(pdserve, m) {
       TORCH_FN(pdserve::paged_decode_attention));
   m.def("paged_bf16_d64_fast() -> bool", TORCH_FN(pdserve::paged_bf16_d64_fast));
   m.def(
+      "paged_decode_attention_amx(Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor kv_lens, int rows, float scale) -> Tensor",
+      TORCH_FN(pdserve::paged_decode_attention_amx));
+  m.def("paged_amx_decode_available() -> bool", TORCH_FN(pdserve::paged_amx_decode_available));
+  m.def(
       "latent_decode_attention(Tensor q_lat, Tensor q_pe, Tensor cache, Tensor block_tables, "
       "Tensor kv_lens, int rows, float scale) -> Tensor",
       TORCH_FN(pdserve::latent_decode_attention));

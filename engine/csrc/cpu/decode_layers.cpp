@@ -49,12 +49,14 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
                                       at::Tensor block_tables, at::Tensor kv_lens,
                                       std::vector<int64_t> dims, double eps, double scale,
                                       std::vector<int64_t> aux) {
-  TORCH_CHECK(dims.size() == 10,
-              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, and the kernel of "
-              "the qkv, o, gate/up and down copies (0 none, 1 bf16_gemm, 2 brgemm)");
+  TORCH_CHECK(dims.size() == 11,
+              "decode_layers: dims = rows, Hq, Hkv, D, inter, silu_rows, the kernel of "
+              "the qkv, o, gate/up and down copies (0 none, 1 bf16_gemm, 2 brgemm), and the "
+              "paged attention's path (0 vector, 1 amx)");
   const int64_t rows = dims[0], Hq = dims[1], Hk = dims[2], D = dims[3], inter = dims[4];
   const int64_t silu_rows = dims[5];
   const int64_t k_qkv = dims[6], k_o = dims[7], k_gu = dims[8], k_down = dims[9];
+  const auto attention = dims[10] == 1 ? paged_decode_attention_amx : paged_decode_attention;
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(
       static_cast<int64_t>(weights.size()) == 13 * L && static_cast<int64_t>(v_caches.size()) == L,
@@ -86,8 +88,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, std::vector<at::Tensor> weig
     const at::Tensor q = qk.slice(1, 0, Hq), k = qk.slice(1, Hq, Hq + Hk);
     const at::Tensor v = qkv.slice(1, (Hq + Hk) * D).view({t, Hk, D});
     write_kv(k, v, k_caches[l], v_caches[l], slots);
-    const at::Tensor o =
-        paged_decode_attention(q, k_caches[l], v_caches[l], tables, kv_lens, rows, scale);
+    const at::Tensor o = attention(q, k_caches[l], v_caches[l], tables, kv_lens, rows, scale);
     const at::Tensor a = lin(o.reshape({t, Hq * D}), w[3], w[10], none, k_o);
     hr = add_rms_norm(a, residual->contiguous(), w[4], eps);
     residual = hr[1];

@@ -18,6 +18,12 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
                                   at::Tensor kvlen, int64_t rows, double scale);
 bool paged_bf16_d64_fast();
 
+// paged_attention_amx.cpp: the same for bf16 / head_dim 64 / 1-4 query heads a KV head /
+// blocks of 16k keys, scored on the AMX tiles; whether the CPU, the build and the OS allow
+at::Tensor paged_decode_attention_amx(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
+                                      at::Tensor kvlen, int64_t rows, double scale);
+bool paged_amx_decode_available();
+
 // latent_attention.cpp: MLA's absorbed decode over the latent cache (one row of R + P a
 // token, shared by every head): the attended latents [N, H, R]
 at::Tensor latent_decode_attention(at::Tensor q_lat, at::Tensor q_pe, at::Tensor cache,
