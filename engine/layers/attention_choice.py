@@ -28,7 +28,7 @@ import logging
 import torch
 
 from engine.forward_input import AttentionMetadata
-from engine.layers import cpu_extension, decode_attention_choice, kernel_choice, kernel_select
+from engine.layers import decode_attention_choice, kernel_choice, kernel_select
 from engine.layers.sdpa_attention import SdpaAttention
 
 log = logging.getLogger(__name__)
@@ -70,16 +70,11 @@ def choose(backend, num_heads: int, num_kv_heads: int, head_dim: int, block_size
                                   block_size)
     if len(paths) < 2:
         return None
-    key = (f"bf16_prefill_attention [{num_heads}, {num_kv_heads}, {head_dim}] "
-           f"block {block_size} {cpu_extension.KERNELS.build_name()}")
-    name = kernel_choice.CHOICES.choose(
-        key, lambda: _measure(backend, paths, num_heads, num_kv_heads, head_dim, block_size),
-        still_valid=lambda kept: kept in paths)
-    backend.prefill_path = name
-    log.info("bf16 prefill attention [%d q, %d kv heads, head_dim %d, block %d] chosen by "
-             "measurement: %s (of %s)", num_heads, num_kv_heads, head_dim, block_size, name,
-             ", ".join(paths))
-    return name
+    backend.prefill_path = kernel_choice.choose_attention_path(
+        "bf16_prefill_attention", "bf16 prefill attention",
+        (num_heads, num_kv_heads, head_dim, block_size), paths,
+        lambda: _measure(backend, paths, num_heads, num_kv_heads, head_dim, block_size))
+    return backend.prefill_path
 
 
 @torch.inference_mode()

@@ -75,7 +75,7 @@ SOURCES = {
     "top_k_top_p.cpp": ["-fno-math-errno"],
     "bindings.cpp": [],
 }
-HEADERS = ("cost_split.h", "ops.h", "prefill_common.h", "vec.h")
+HEADERS = ("cost_split.h", "ops.h", "paged_decode_common.h", "prefill_common.h", "vec.h")
 # -march=native: the build is for this CPU (the folder name carries its capability);
 # PDSERVE_CPU_MARCH=<arch> builds for a named target instead (a container image built for
 # its target ISA: deploy/docker/Dockerfile), and the folder name carries that.

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from engine.layers import cpu_extension, cpu_paged_attention, kernel_choice, kernel_select
+from engine.layers import cpu_paged_attention, kernel_choice, kernel_select
 from engine.layers.sdpa_attention import SdpaAttention
 
 log = logging.getLogger(__name__)
@@ -66,16 +66,11 @@ def choose(backend, num_heads: int, num_kv_heads: int, head_dim: int, block_size
         return None
     if len(paths) < 2:
         return None
-    key = (f"paged_decode_attention [{num_heads}, {num_kv_heads}, {head_dim}] "
-           f"block {block_size} {cpu_extension.KERNELS.build_name()}")
-    name = kernel_choice.CHOICES.choose(
-        key, lambda: _measure(backend, paths, num_heads, num_kv_heads, head_dim, block_size),
-        still_valid=lambda kept: kept in paths)
-    backend.decode_path = name
-    log.info("paged decode attention [%d q, %d kv heads, head_dim %d, block %d] chosen by "
-             "measurement: %s (of %s)", num_heads, num_kv_heads, head_dim, block_size, name,
-             ", ".join(paths))
-    return name
+    backend.decode_path = kernel_choice.choose_attention_path(
+        "paged_decode_attention", "paged decode attention",
+        (num_heads, num_kv_heads, head_dim, block_size), paths,
+        lambda: _measure(backend, paths, num_heads, num_kv_heads, head_dim, block_size))
+    return backend.decode_path
 
 
 @torch.inference_mode()

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from engine.layers import cpu_extension
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "PDSERVE_CACHE_DIR"
@@ -133,3 +135,16 @@ def _write(path: Path, kept: dict[str, str]) -> None:
 
 
 CHOICES = ChoiceCache()
+
+
+def choose_attention_path(kind: str, what: str, shape: tuple[int, int, int, int],
+                          paths: list[str], measure: Callable[[], str]) -> str:
+    """An attention path among `paths` for caches of `shape` (query heads, KV heads,
+    head_dim, block size): the one kept for the machine under `kind` (a kept name no longer
+    among `paths` is measured again), else `measure()`'s; logged with `what`."""
+    hq, hk, d, bs = shape
+    key = f"{kind} [{hq}, {hk}, {d}] block {bs} {cpu_extension.KERNELS.build_name()}"
+    name = CHOICES.choose(key, measure, still_valid=lambda kept: kept in paths)
+    log.info("%s [%d q, %d kv heads, head_dim %d, block %d] chosen by measurement: %s (of %s)",
+             what, hq, hk, d, bs, name, ", ".join(paths))
+    return name

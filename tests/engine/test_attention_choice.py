@@ -12,20 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import attention_choice, cpu_prefill_attention, kernel_choice, kernel_select
+from engine.layers import attention_choice, cpu_prefill_attention, kernel_select
 from engine.layers.kernel_options import DEFAULT_KERNELS, KernelOptions
 from engine.layers.sdpa_attention import SdpaAttention
 from tests.cpu_features import requires_avx512_bf16
 
 HQ, HK, D, BS = 4, 2, 64, 16
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def choices(tmp_path, monkeypatch):
-    cache = kernel_choice.ChoiceCache(tmp_path / "choices.json")
-    monkeypatch.setattr(kernel_choice, "CHOICES", cache)
-    return cache
 
 
 def _timed_by(backend: SdpaAttention, seconds: dict[str, float], seen: list[str]):

@@ -14,7 +14,6 @@ import torch
 from engine.layers import (
     cpu_paged_attention,
     decode_attention_choice,
-    kernel_choice,
     kernel_select,
 )
 from engine.layers.kernel_options import DECODE_ATTENTION_ENV, KernelOptions
@@ -23,13 +22,6 @@ from tests.cpu_features import requires_amx_bf16
 
 HQ, HK, D, BS = 6, 2, 64, 16
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def choices(tmp_path, monkeypatch):
-    cache = kernel_choice.ChoiceCache(tmp_path / "choices.json")
-    monkeypatch.setattr(kernel_choice, "CHOICES", cache)
-    return cache
 
 
 @pytest.fixture

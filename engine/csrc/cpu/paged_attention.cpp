@@ -5,6 +5,7 @@
 
 #include "cost_split.h"
 #include "ops.h"
+#include "paged_decode_common.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -24,30 +25,8 @@ static inline float to_f(at::BFloat16 x) {
   return bf16_to_float(x.x);
 }
 
-// blocks sit anywhere in the cache: ask for the next one while this one is computed.
-// Into L2 (locality 2, PREFETCHT1), not L1: a 2 KB block is 32 lines, and asking L1 for
-// them filled its few miss buffers, stalling the loads of the block being computed.
-// Measured (30 layers of SmolLM2's KV, 2 threads): batch 35 x 400 tokens 17.2 -> 12.8 ms,
-// 64 x 200 18.8 -> 13.2 ms, 8 x 1024 9.3 -> 7.9 ms. Locality 1 was the same as 2;
-// prefetching 6 blocks ahead instead of 2 was no better.
-template <typename T>
-static inline void prefetch_block(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64)
-    __builtin_prefetch(c + off, 0, 2);
-}
-
+// prefetch_block and item_costs: paged_decode_common.h
 constexpr int64_t AHEAD = 2;  // blocks prefetched ahead (3x faster than none, measured)
-
-// the split of (row i / Hk, KV head i % Hk) items over the threads: an item costs its keys
-// (never past the table's max_keys) plus a row's fixed work
-static std::vector<int64_t> item_costs(const int* lens, int64_t items, int64_t Hk,
-                                       int64_t max_keys) {
-  std::vector<int64_t> cost(items + 1, 0);
-  for (int64_t i = 0; i < items; ++i)
-    cost[i + 1] = cost[i] + std::min<int64_t>(lens[i / Hk], max_keys) + 32;
-  return cost;
-}
 
 // one query head's scores -> probabilities, in place, in float32
 static inline void softmax_inplace(float* s, int64_t L) {
@@ -210,16 +189,8 @@ static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc, con
   auto block = [&](const at::BFloat16* cache, int64_t i, int64_t j) {
     return cache + ((i % Hk) * NB + btp[(i / Hk / rows) * W + j]) * BS * D;
   };
-  // V rows widened as even and odd elements (shift, mask); lane indices that interleave
-  // the two accumulators back into head_dim order once a row
-  alignas(64) int32_t lo_idx[16], hi_idx[16];
-  for (int l = 0; l < 16; ++l) {
-    lo_idx[l] = (l % 2 ? 16 : 0) + l / 2;
-    hi_idx[l] = (l % 2 ? 16 : 0) + 8 + l / 2;
-  }
   run_ranges_by_cost(item_costs(lp, N * Hk, Hk, W * BS), [&](int64_t begin, int64_t end) {
-    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-    const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const EvenOdd64 v64;  // V rows widened as even and odd elements
     std::vector<float> sc;
     __m512i qv[2 * G];
     __m512 acc[4 * G];
@@ -270,32 +241,16 @@ static void paged_decode_bf16_d64(const at::Tensor& q, const at::Tensor& kc, con
           prefetch_block(block(kp, i + 1, j), BS * D);
           prefetch_block(block(vp, i + 1, j), BS * D);
         }
-        for (int64_t t = 0; t < cnt; ++t) {  // even / odd elements: 2 instructions a 32
-          const __m512i raw0 = _mm512_loadu_si512(vb + t * D);
-          const __m512i raw1 = _mm512_loadu_si512(vb + t * D + 32);
-          const __m512 f[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(raw0, 16)),
-                               _mm512_castsi512_ps(_mm512_and_si512(raw0, upper)),
-                               _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16)),
-                               _mm512_castsi512_ps(_mm512_and_si512(raw1, upper))};
+        for (int64_t t = 0; t < cnt; ++t) {
+          __m512 f[4];
+          v64.widen(vb + t * D, f);
           for (int64_t g = 0; g < G; ++g) {
             const __m512 w = _mm512_set1_ps(sc[g * L + j * BS + t]);
             for (int c = 0; c < 4; ++c) acc[4 * g + c] = _mm512_fmadd_ps(w, f[c], acc[4 * g + c]);
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        at::BFloat16* o = op + (r * Hq + h * G + g) * D;
-        const __m512 iv = _mm512_set1_ps(inv[g]);
-        for (int half = 0; half < 2; ++half) {  // even and odd lanes back in order
-          const __m512 even = acc[4 * g + 2 * half], odd = acc[4 * g + 2 * half + 1];
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * half),
-                              (__m256i)_mm512_cvtneps_pbh(
-                                  _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), iv)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * half + 16),
-                              (__m256i)_mm512_cvtneps_pbh(
-                                  _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), iv)));
-        }
-      }
+      for (int64_t g = 0; g < G; ++g) v64.store(op + (r * Hq + h * G + g) * D, acc + 4 * g, inv[g]);
     }
   });
 }

@@ -15,6 +15,7 @@
 
 #include "cost_split.h"
 #include "ops.h"
+#include "paged_decode_common.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -60,12 +61,6 @@ TileConfig score_tiles() {
   c.colsb[0] = c.colsb[3] = c.colsb[4] = G * 4;
   c.colsb[1] = c.colsb[2] = 64;
   return c;
-}
-
-template <typename T>
-inline void prefetch_block(const T* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
 // blocks prefetched ahead within a row, and of the next row during the V pass. With the
@@ -149,23 +144,14 @@ void decode_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
   auto block = [&](const at::BFloat16* cache, int64_t i, int64_t j) {
     return cache + ((i % Hk) * NB + btp[(i / Hk / rows) * W + j]) * BS * D;
   };
-  std::vector<int64_t> cost(N * Hk + 1, 0);
-  for (int64_t i = 0; i < N * Hk; ++i) cost[i + 1] = cost[i] + len_of(i) + 32;
-  // even/odd lanes (from the shift and the mask) back into head_dim order
-  alignas(64) int32_t lo_idx[16], hi_idx[16];
-  for (int l = 0; l < 16; ++l) {
-    lo_idx[l] = (l % 2 ? 16 : 0) + l / 2;
-    hi_idx[l] = (l % 2 ? 16 : 0) + 8 + l / 2;
-  }
-  run_ranges_by_cost(cost, [&](int64_t begin, int64_t end) {
+  run_ranges_by_cost(item_costs(lp, N * Hk, Hk, W * BS), [&](int64_t begin, int64_t end) {
     const TileConfig cfg = score_tiles<G>();
     _tile_loadconfig(&cfg);
     std::vector<float> sc;
     alignas(64) uint32_t qt[32 * G];  // the query heads' bf16 pairs, pair-major
     __m512 acc[4 * G];
     float inv[G];
-    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-    const __m512i upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    const EvenOdd64 v64;  // V rows widened as even and odd elements
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / Hk, h = i % Hk, L = len_of(i);
       const int64_t nblk = (L + BS - 1) / BS;
@@ -177,13 +163,13 @@ void decode_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
       _tile_loadd(3, qt, G * 4);
       _tile_loadd(4, qt + 16 * G, G * 4);
       for (int64_t j = 0; j < std::min(nblk, AHEAD); ++j) {
-        prefetch_block(block(kp, i, j), BS * D * 2);
-        prefetch_block(block(vp, i, j), BS * D * 2);
+        prefetch_block(block(kp, i, j), BS * D);
+        prefetch_block(block(vp, i, j), BS * D);
       }
       for (int64_t j = 0; j < nblk; ++j) {
         if (j + AHEAD < nblk) {
-          prefetch_block(block(kp, i, j + AHEAD), BS * D * 2);
-          prefetch_block(block(vp, i, j + AHEAD), BS * D * 2);
+          prefetch_block(block(kp, i, j + AHEAD), BS * D);
+          prefetch_block(block(vp, i, j + AHEAD), BS * D);
         }
         const at::BFloat16* kb = block(kp, i, j);
         for (int64_t t = 0; t < BS; t += 16) {  // rows past L score garbage, never read
@@ -203,36 +189,20 @@ void decode_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
         const at::BFloat16* vb = block(vp, i, j);
         const int64_t cnt = std::min(BS, L - j * BS);
         if (j < next_blocks) {
-          prefetch_block(block(kp, i + 1, j), BS * D * 2);
-          prefetch_block(block(vp, i + 1, j), BS * D * 2);
+          prefetch_block(block(kp, i + 1, j), BS * D);
+          prefetch_block(block(vp, i + 1, j), BS * D);
         }
         const float* w = sc.data() + j * BS * G;
         for (int64_t t = 0; t < cnt; ++t) {
-          const __m512i raw0 = _mm512_loadu_si512(vb + t * D);
-          const __m512i raw1 = _mm512_loadu_si512(vb + t * D + 32);
-          const __m512 f[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(raw0, 16)),
-                               _mm512_castsi512_ps(_mm512_and_si512(raw0, upper)),
-                               _mm512_castsi512_ps(_mm512_slli_epi32(raw1, 16)),
-                               _mm512_castsi512_ps(_mm512_and_si512(raw1, upper))};
+          __m512 f[4];
+          v64.widen(vb + t * D, f);
           for (int g = 0; g < G; ++g) {
             const __m512 p = _mm512_set1_ps(w[t * G + g]);
             for (int c = 0; c < 4; ++c) acc[4 * g + c] = _mm512_fmadd_ps(p, f[c], acc[4 * g + c]);
           }
         }
       }
-      for (int g = 0; g < G; ++g) {
-        at::BFloat16* o = op + (r * Hq + h * G + g) * D;
-        const __m512 iv = _mm512_set1_ps(inv[g]);
-        for (int half = 0; half < 2; ++half) {
-          const __m512 even = acc[4 * g + 2 * half], odd = acc[4 * g + 2 * half + 1];
-          const __m512 a = _mm512_permutex2var_ps(even, lo, odd);
-          const __m512 b = _mm512_permutex2var_ps(even, hi, odd);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * half),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, iv)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * half + 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(b, iv)));
-        }
-      }
+      for (int g = 0; g < G; ++g) v64.store(op + (r * Hq + h * G + g) * D, acc + 4 * g, inv[g]);
     }
     // tiles released through torch's brgemm wrapper: it also forgets the tile
     // configuration it last loaded on this thread, which ours replaced
