@@ -63,5 +63,6 @@ class Worker:
         hidden = self.executor.forward(fi)
         if fi.sampling is None or fi.selected_token_idxes.numel() == 0:
             return None     # only prefill chunks that sample nothing
-        logits = self.model.logits(hidden, fi.selected_token_idxes)
+        # the Sampler widens to float32 where it needs to (not for a plain greedy batch)
+        logits = self.model.logits(hidden, fi.selected_token_idxes, float32=False)
         return self.sampler(logits, fi.sampling)
