@@ -2,8 +2,10 @@
 the model's kernels.
 
     .venv/bin/python bench/step_overhead.py [--batch 64] [--dtype float32] [--steps 40]
+        [--prompt-len 64]
 
-Runs `--batch` requests (64-token prompts) to decode-only steps through
+Runs `--batch` requests (`--prompt-len`-token prompts: 64 by default, 500 to see decode
+attention at the context lengths of the offline mixed workload) to decode-only steps through
 `LLMEngine.run_once` (what a node's engine loop calls) and times, per step: the scheduler,
 `build_forward_input`, the worker (H2D, forward, logits, sampling), the scheduler's
 postprocess and the outputs (detokenizing included). Then one step under torch.profiler:
@@ -41,8 +43,9 @@ def _timed(times: dict, name: str, fn):
     return wrapper
 
 
-def _add(engine, tag: str, batch: int, max_tokens: int, vocab: int) -> None:
-    for i, r in enumerate(random_requests(batch, (64, 64), (max_tokens,) * 2, vocab, seed=7)):
+def _add(engine, tag: str, batch: int, max_tokens: int, vocab: int, prompt_len: int) -> None:
+    lens = (prompt_len, prompt_len)
+    for i, r in enumerate(random_requests(batch, lens, (max_tokens,) * 2, vocab, seed=7)):
         engine.add_request(f"{tag}{i}", r.prompt, SamplingParams(
             max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
 
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens in each prompt")
     ap.add_argument("--model", help="an HF folder (default: the default model)")
     ap.add_argument("--top", type=int, default=0,
                     help="also list the N operators with the most self time in the step")
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
     worker.step = _timed(times, "worker", worker.step)
     sched.postprocess = _timed(times, "postprocess", sched.postprocess)
     engine.take_outputs = _timed(times, "outputs", engine.take_outputs)
-    _add(engine, "a", args.batch, args.steps + 1, vocab)
+    _add(engine, "a", args.batch, args.steps + 1, vocab, args.prompt_len)
     walls = []
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
         print(f"  {p:18s} {1e3 * statistics.median(times[p][decode]):8.2f} ms")
     (sched.schedule, engine.builder.build_forward_input, worker.step, sched.postprocess,
      engine.take_outputs) = originals
-    _add(engine, "b", args.batch, 8, vocab)
+    _add(engine, "b", args.batch, 8, vocab, args.prompt_len)
     for _ in range(4):
         engine.run_once()                     # prefill and the first decode steps
     hosts = []
