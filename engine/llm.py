@@ -18,6 +18,15 @@ Prompt = str | dict
 
 class LLM:
     def __init__(self, model: str | Path, **engine_options):
+        """engine_options: EngineConfig's fields. Unlike EngineConfig's own default, the
+        offline API maps a CPU engine's KV cache and a step's working heap at start
+        (`prefault_memory=True`, as a node does and as vLLM writes its cache at start):
+        otherwise each KV page takes its first-write fault inside a step, and in a VM
+        whose host has not backed those pages yet that cost the first run of the offline
+        mixed workload ~7% against the runs after another process had used the memory
+        (docs/perf/HISTORY.md). Pass `prefault_memory=False` to keep the cache lazy
+        (resident only as it is written; a shorter start)."""
+        engine_options.setdefault("prefault_memory", True)
         self.config = EngineConfig(model=str(model), **engine_options)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
