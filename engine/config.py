@@ -14,7 +14,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = None   # KV blocks; None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
     # CPU: map the KV cache (kv_cache.zeroed) and a step's working heap (host_allocator.
-    # touch_heap) at start, not at their first use; nodes do by default
+    # touch_heap) at start, not at their first use; nodes and the offline LLM do by default
     prefault_memory: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
