@@ -21,11 +21,11 @@ class LLM:
         """engine_options: EngineConfig's fields. Unlike EngineConfig's own default, the
         offline API maps a CPU engine's KV cache and a step's working heap at start
         (`prefault_memory=True`, as a node does and as vLLM writes its cache at start):
-        otherwise each KV page takes its first-write fault inside a step, and in a VM
-        whose host has not backed those pages yet that cost the first run of the offline
-        mixed workload ~7% against the runs after another process had used the memory
-        (docs/perf/HISTORY.md). Pass `prefault_memory=False` to keep the cache lazy
-        (resident only as it is written; a shorter start)."""
+        otherwise each KV page takes its first-write fault inside a step, up to ~9 us in a
+        VM whose host has not backed the page yet (in the offline bench, the round where
+        pdserve ran first, on memory no process had used yet, was the low one in each of
+        three runs: docs/perf/HISTORY.md). Pass `prefault_memory=False` to keep the cache
+        lazy (resident only as it is written; a shorter start)."""
         engine_options.setdefault("prefault_memory", True)
         self.config = EngineConfig(model=str(model), **engine_options)
         self.engine = LLMEngine(self.config)
