@@ -16,6 +16,9 @@ class EngineConfig:
     # CPU: map the KV cache (kv_cache.zeroed) and a step's working heap (host_allocator.
     # touch_heap) at start, not at their first use; nodes and the offline LLM do by default
     prefault_memory: bool = False
+    # CPU: the KV cache and the weights a decode step streams on 2 MB pages where the OS
+    # gives them to memory that asks (engine/huge_pages.py); off: 4 KB pages, as before
+    huge_pages: bool = True
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None    # None: the model's max_position_embeddings

@@ -80,7 +80,8 @@ class LLMEngine:
         else:
             self.model, self.model_config = load_model(config.model, self.dtype,
                                                        self.device.torch_device,
-                                                       config.attention_backend, kernels)
+                                                       config.attention_backend, kernels,
+                                                       huge_pages=config.huge_pages)
         log.info("loaded %s (%s) in %.1fs", config.model, self.dtype, time.perf_counter() - t0)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -96,7 +97,8 @@ class LLMEngine:
             heads, k_dim, v_dim = mc.kv_layout
             self.kv_cache = KVCache(mc.num_hidden_layers, num_blocks, bs, heads, k_dim,
                                     self.dtype, self.device.torch_device, v_head_dim=v_dim,
-                                    prefault=config.prefault_memory)
+                                    prefault=config.prefault_memory,
+                                    huge_pages=config.huge_pages)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,

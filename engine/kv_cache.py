@@ -19,6 +19,8 @@ import mmap
 
 import torch
 
+from engine.huge_pages import anonymous_mapping
+
 BLOCK_DIM = 1     # the block axis of a layer's cache tensor
 
 
@@ -29,17 +31,19 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 v_head_dim: int | None = None, prefault: bool = False):
+                 v_head_dim: int | None = None, prefault: bool = False,
+                 huge_pages: bool = False):
         """v_head_dim: V's width when it differs from K's; 0 for MLA's latent cache, whose
         one row a token (kv_lora_rank + rope values) is all K (engine/models/mla.py).
-        prefault: on a CPU, every page mapped now (`zeroed`; EngineConfig.prefault_memory)."""
+        prefault: on a CPU, every page mapped now (`zeroed`; EngineConfig.prefault_memory).
+        huge_pages: on a CPU, on 2 MB pages where the OS has them (EngineConfig.huge_pages)."""
         v_dim = head_dim if v_head_dim is None else v_head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.v_head_dim = num_kv_heads, head_dim, v_dim
         self.k = [zeroed((num_kv_heads, num_blocks, block_size, head_dim), dtype, device,
-                         prefault) for _ in range(num_layers)]
+                         prefault, huge_pages) for _ in range(num_layers)]
         self.v = [zeroed((num_kv_heads, num_blocks, block_size, v_dim), dtype, device,
-                         prefault) for _ in range(num_layers)]
+                         prefault, huge_pages) for _ in range(num_layers)]
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -84,7 +88,7 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-           prefault: bool = False) -> torch.Tensor:
+           prefault: bool = False, huge_pages: bool = False) -> torch.Tensor:
     """A zero tensor. On CPU it lies in an anonymous mapping, whose pages the kernel maps to
     its shared zero page until first written: a 2 GB cache costs memory only as blocks are
     used (torch.zeros writes every page at start, so the whole cache was resident from
@@ -100,13 +104,16 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     its cache at start for the same reason. The cost moves to the start (~1.7 s a GB
     there) and the cache is resident from then on, as its size says: a node short of
     memory fails at start, not mid-request. The kernel zeroes the pages; where the madvise
-    is missing (Linux before 5.14) writing the zeros does the same."""
+    is missing (Linux before 5.14) writing the zeros does the same.
+
+    huge_pages: the mapping advised to take 2 MB pages (engine/huge_pages.py: decode
+    attention streams the cache, and scattered blocks cost a TLB miss each on 4 KB pages)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)
+    buf = anonymous_mapping(nbytes, huge_pages)
     # the tensor keeps the mapping alive (frombuffer holds the buffer it views)
     t = torch.frombuffer(buf, dtype=dtype).view(shape)
     if prefault:

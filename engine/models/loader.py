@@ -11,18 +11,23 @@ engine construction), narrowed to the device; the model gets the value at constr
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from engine import huge_pages
+from engine.huge_pages import HugePageArena
 from engine.layers import batch_invariant, cpu_bf16_gemm, linear_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.linear import can_pack, pack_linears
 from engine.models import fp8, moe
 from engine.models.model_config import ModelConfig
 from engine.models.registry import model_class
+
+log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # our name (inside layers.i) -> the HF tensors concatenated along dim 0
@@ -60,7 +65,10 @@ def _hf_names(our_name: str, cfg: ModelConfig) -> list[str]:
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "sdpa", kernels: KernelOptions | None = None):
+               attention_backend: str = "sdpa", kernels: KernelOptions | None = None,
+               huge_pages: bool = False):
+    """(model, config) from an HF folder. huge_pages: on a CPU, the weights a decode step
+    streams moved onto huge pages after load (`streamed_to_huge_pages`)."""
     folder = Path(folder)
     kernels = (KernelOptions.from_env() if kernels is None else kernels).for_device(device)
     cfg = ModelConfig.from_folder(folder)
@@ -110,7 +118,38 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
             linear_choice.choose(model)
     elif dtype == torch.float32 and torch.device(device).type == "cpu":
         linear_choice.choose_small_rows(model)
+    if huge_pages and torch.device(device).type == "cpu":
+        streamed_to_huge_pages(model)
     return model.eval(), cfg
+
+
+STREAMED_COPIES = ("gemm_packed", "gemm_silu_mul_packed")   # Linear's streaming copies
+LARGE_BYTES = 2 << 20       # a dense parameter this large is streamed by a decode step
+
+
+@torch.no_grad()
+def streamed_to_huge_pages(model: torch.nn.Module) -> int:
+    """Move what a decode step streams into one mapping on huge pages (engine/
+    huge_pages.py): the Linears' streaming copies and the dense parameters of 2 MB or more
+    (the embedding and a tied head; every linear of a float32 model). oneDNN's prepacked
+    weights are its own and stay. Each original is dropped as it is copied. Returns the
+    bytes moved."""
+    slots = [(m, a) for m in model.modules() for a in STREAMED_COPIES
+             if isinstance(getattr(m, a, None), torch.Tensor)]
+    params = [p for p in model.parameters()
+              if p.numel() * p.element_size() >= LARGE_BYTES and p.is_contiguous()]
+    sizes = [getattr(m, a).numel() * getattr(m, a).element_size() for m, a in slots]
+    sizes += [p.numel() * p.element_size() for p in params]
+    if not sizes:
+        return 0
+    arena = HugePageArena(sum(HugePageArena.footprint(n) for n in sizes))
+    for m, a in slots:
+        setattr(m, a, arena.copy(getattr(m, a)))
+    for p in params:
+        p.data = arena.copy(p.data)
+    log.info("%.0f MB of streamed weights on huge pages (OS mode: %s)", sum(sizes) / 1e6,
+             huge_pages.mode())
+    return sum(sizes)
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -258,7 +258,7 @@ def build_mtp_worker(engine) -> MTPWorker:
     heads, k_dim, v_dim = mc.kv_layout        # the target's layout (MLA: latent rows)
     draft_cache = KVCache(1, engine.kv_cache.num_blocks, cfg.block_size, heads, k_dim,
                           engine.dtype, engine.device.torch_device, v_head_dim=v_dim,
-                          prefault=cfg.prefault_memory)
+                          prefault=cfg.prefault_memory, huge_pages=cfg.huge_pages)
     engine.scheduler.num_lookahead_tokens = cfg.num_speculative_tokens
     return MTPWorker(engine.worker, engine.builder, draft, draft_cache,
                      cfg.num_speculative_tokens, cfg.block_size, mc.vocab_size,
