@@ -3,7 +3,7 @@ tile kernel and the brgemm kernel) against an explicit float32 reference: 1-4 qu
 a KV head, blocks of 16 and 32 keys, cached prefixes and prompts that leave partial tiles
 and chunks, q read in place from wider rows, NaN in every cache slot no row may read; a
 row's bits do not depend on how its prompt was chunked; and, for the brgemm kernel, the
-same over random lengths across its 128-key blocks and 64-row tiles (Hypothesis)."""
+same over random lengths across its 256-key blocks and 64-row tiles (Hypothesis)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_matches_a_float32_reference(kernel, groups, bs):
 def test_a_rows_bits_do_not_depend_on_the_chunking(kernel, new, cut):
     """A prompt in one call, and as two chunks (the second call after `cut` cached keys),
     and inside a batch with another prompt: the same bits for every row. 300 rows cross
-    the brgemm kernel's 64-row tiles and 128-key blocks at other places in each call."""
+    the brgemm kernel's 64-row tiles and 256-key blocks at other places in each call."""
     width = -(-(new + 7) // 16)
     q, kc, vc, tables, starts, ctx = _case(5, [0, 7], [new, 30], 6, 2, 16, width)
     whole = kernel(q, kc, vc, tables, starts, ctx, 0.125)
@@ -101,7 +101,7 @@ def test_a_rows_bits_do_not_depend_on_the_chunking(kernel, new, cut):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_brgemm_kernel_matches_the_reference_on_random_lengths(data):
-    """Any mix of cached prefixes and new rows (across 128-key blocks and 64-row tiles),
+    """Any mix of cached prefixes and new rows (across 256-key blocks and 64-row tiles),
     1-4 query heads a KV head, any block size: within bf16 rounding of the reference, and
     never a NaN from a slot no row may read."""
     groups = data.draw(st.integers(1, 4), "groups")

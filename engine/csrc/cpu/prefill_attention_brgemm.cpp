@@ -6,14 +6,18 @@
 // cpublas::gemm call per 32-64 rows and head (~200-360 GFLOP/s on an AMX Xeon for SmolLM2's
 // heads), and the tile kernel (prefill_attention.cpp) spends VDPBF16PS where AMX tiles are
 // there. Here a task is one sequence, one KV head and a tile of up to 64 consecutive rows:
-// the G query heads of those rows form the M rows of one GEMM against each block of 128 keys.
+// the G query heads of those rows form the M rows of one GEMM against each block of 256 keys.
 //
 // - Every sequence's K and V are packed once per step into the micro-kernel's VNNI layout
-//   (pairs of the reduction dimension side by side), 128 keys a block, zero past the end.
+//   (pairs of the reduction dimension side by side), 256 keys a block, zero past the end.
 // - Per key block: scores = one brgemm; softmax in float32 with a running maximum
 //   (online), probabilities rounded to bf16 once; out += probabilities . V as a second
 //   brgemm accumulating into float32; the rows that cannot see any key of the block (the
-//   causal triangle) are left out of both GEMMs.
+//   causal triangle) are left out of both GEMMs, and so are the block's keys past the
+//   last row's (in whole 32s: a zero probability adds nothing to the sum).
+// - Scratch and packed blocks on 64-byte boundaries, 256-key blocks, the exp in base 2:
+//   a mixed 2,048-token step's 30 calls (7 prompts of 32-512 tokens, AMX Xeon, 2
+//   threads) 84.7 -> 46 ms; the alignment alone 75 -> 55 (docs/perf/HISTORY.md).
 // - A row's result depends on its query, its keys and its length only: blocks start at key
 //   0 of the sequence, whatever the tile, the chunk or the batch, so chunked prefill and
 //   prefix-cache hits give the same bits. They are not the tile kernel's or SDPA's bits.
@@ -28,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -38,7 +43,29 @@ namespace pdserve {
 
 namespace {
 
-constexpr int64_t D = 64, BN = 128, ROWS = 64;  // head_dim, keys a block, rows a tile
+constexpr int64_t D = 64, BN = 256, ROWS = 64;  // head_dim, keys a block, rows a tile
+constexpr float LOG2E = 1.44269504088896341f;
+
+// n elements of T on a 64-byte boundary, uninitialised: the micro-kernel's tile rows
+// (64 bytes) then never straddle two cache lines. std::vector's 16-byte alignment made
+// the same call 60 or 81 ms a step from one process to the next, as the heap placed it.
+template <typename T>
+class Buf64 {
+ public:
+  explicit Buf64(size_t n)
+      : p_(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {
+    TORCH_CHECK(p_ != nullptr, "prefill_attention_brgemm: out of memory for scratch");
+  }
+  ~Buf64() { std::free(p_); }
+  Buf64(const Buf64&) = delete;
+  Buf64& operator=(const Buf64&) = delete;
+  Buf64(Buf64&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
+  T* data() const { return p_; }
+  T& operator[](size_t i) const { return p_[i]; }
+
+ private:
+  T* p_;
+};
 
 struct Task {
   int64_t seq, head, row0, rows, keys;
@@ -57,6 +84,22 @@ inline __m256i to_bf16(__m512 x) {
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(r);
 #endif
+}
+
+// 2^t for t <= 0 on 16 lanes: t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a
+// degree-6 polynomial (relative error ~2e-7, as exp_nonpos16), 2^n by scalef, which
+// underflows to 0 cleanly. The softmax's exp(s * scale - m) is 2^(s * scale log2 e -
+// m log2 e), one fmadd with the constants folded: 10 operations a vector where
+// exp_nonpos16 after its own fmadd takes 18, and the softmax is most of this kernel.
+inline __m512 exp2_nonpos16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-160.f));  // 2^-160 is 0 in float32 already
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  for (const float c :
+       {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
 }
 
 // K block [BN keys][64] -> [32 pairs][BN keys][2]: as uint32, a transpose
@@ -96,8 +139,8 @@ struct Ctx : PrefillRows {
 };
 
 struct Scratch {
-  std::vector<uint16_t> qa, p;
-  std::vector<float> s, acc, mx, sum;
+  Buf64<uint16_t> qa, p;
+  Buf64<float> s, acc, mx, sum;
   Scratch()
       : qa(4 * ROWS * D),
         p(4 * ROWS * BN),
@@ -118,15 +161,18 @@ void run_task(const Ctx& c, const Task& t, Scratch& w) {
   std::fill_n(w.acc.data(), M * D, 0.f);
   std::fill_n(w.mx.data(), M, -INFINITY);
   std::fill_n(w.sum.data(), M, 0.f);
-  const __m512 scale = _mm512_set1_ps(c.scale);
+  const __m512 scale2 = _mm512_set1_ps(c.scale * LOG2E);  // scores to base-2 exponents
   const int64_t nkb = (t.keys + BN - 1) / BN;
   for (int64_t kb = 0; kb < nkb; ++kb) {
     const int64_t k0 = kb * BN;
     // rows before r0 see no key of this block (row j sees ctx + row0 + j + 1 keys)
     const int64_t j0 = std::max<int64_t>(0, k0 - ctx - t.row0), r0 = j0 * G, Mb = M - r0;
     const int64_t blk = (c.base[t.seq] + kb) * c.Hk + t.head;
+    // the keys of this block any row of the tile sees, in whole 32s: the scores and the
+    // probabilities past them are never computed (the last rows' keys are the most)
+    const int64_t nc = (std::min<int64_t>(BN, ctx + t.row0 + t.rows - k0) + 31) / 32 * 32;
     at::native::cpublas::brgemm(
-        Mb, BN, D, D, BN, BN, false, reinterpret_cast<const BFloat16*>(w.qa.data() + r0 * D),
+        Mb, nc, D, D, BN, BN, false, reinterpret_cast<const BFloat16*>(w.qa.data() + r0 * D),
         reinterpret_cast<const BFloat16*>(c.kpack + blk * 32 * BN), w.s.data() + r0 * BN);
     for (int64_t r = r0; r < M; ++r) {
       const int64_t valid = std::min<int64_t>(BN, ctx + t.row0 + r / G + 1 - k0);
@@ -141,18 +187,18 @@ void run_task(const Ctx& c, const Task& t, Scratch& w) {
       // the scale is positive, so the scaled maximum is the maximum scaled
       const float old = w.mx[r], m = std::max(old, _mm512_reduce_max_ps(mv) * c.scale);
       const float alpha = std::exp(old - m);  // 0 on the row's first block
-      const __m512 neg_m = _mm512_set1_ps(-m);
+      const __m512 neg_m = _mm512_set1_ps(-m * LOG2E);
       __m512 acc = _mm512_setzero_ps();
       uint16_t* pr = w.p.data() + r * BN;
       for (int64_t v = 0; v < nv; ++v) {
         const int64_t left = valid - 16 * v;
         const __mmask16 in = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
         const __m512 e = _mm512_maskz_mov_ps(
-            in, exp_nonpos16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * v), scale, neg_m)));
+            in, exp2_nonpos16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * v), scale2, neg_m)));
         acc = _mm512_add_ps(acc, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), to_bf16(e));
       }
-      for (int64_t v = nv; v < BN / 16; ++v)  // keys past the row's own: probability 0
+      for (int64_t v = nv; v < nc / 16; ++v)  // keys past the row's own: probability 0
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v), _mm256_setzero_si256());
       w.sum[r] = w.sum[r] * alpha + _mm512_reduce_add_ps(acc);
       w.mx[r] = m;
@@ -164,7 +210,7 @@ void run_task(const Ctx& c, const Task& t, Scratch& w) {
       }
     }
     at::native::cpublas::brgemm(
-        Mb, D, BN, BN, D, D, true, reinterpret_cast<const BFloat16*>(w.p.data() + r0 * BN),
+        Mb, D, nc, BN, D, D, true, reinterpret_cast<const BFloat16*>(w.p.data() + r0 * BN),
         reinterpret_cast<const BFloat16*>(c.vpack + blk * BN * D), w.acc.data() + r0 * D);
   }
   for (int64_t r = 0; r < M; ++r) {
@@ -245,8 +291,8 @@ at::Tensor prefill_attention_brgemm(at::Tensor q, at::Tensor kc, at::Tensor vc, 
         cost.push_back(cost.back() + rows * keys + 64 * rows);
       }
   }
-  std::vector<uint32_t> kpack(base[S] * Hk * 32 * BN);
-  std::vector<uint16_t> vpack(base[S] * Hk * BN * D);
+  Buf64<uint32_t> kpack(base[S] * Hk * 32 * BN);
+  Buf64<uint16_t> vpack(base[S] * Hk * BN * D);
   const uint16_t* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
   const int* btp = bt.data_ptr<int>();
