@@ -114,8 +114,12 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         pack_linears(model, keep_dense=("lm_head",), bf16_gemm=bf16_gemm)
         if bf16_gemm and not kernels.cpu_bf16_gemm_measure:   # forced: one kernel
             linear_choice.force(model, kernels.cpu_bf16_gemm_kernel)
-        elif bf16_gemm:   # keep the copies where faster here
+        elif bf16_gemm:   # keep the copies where faster here, timed where they will lie
+            moved = huge_pages and streamed_to_huge_pages(model)
             linear_choice.choose(model)
+            if moved and streamed_bytes(model) < moved:   # copies dropped: a tighter arena
+                streamed_to_huge_pages(model)
+            return model.eval(), cfg
     elif dtype == torch.float32 and torch.device(device).type == "cpu":
         linear_choice.choose_small_rows(model)
     if huge_pages and torch.device(device).type == "cpu":
@@ -134,10 +138,7 @@ def streamed_to_huge_pages(model: torch.nn.Module) -> int:
     (the embedding and a tied head; every linear of a float32 model). oneDNN's prepacked
     weights are its own and stay. Each original is dropped as it is copied. Returns the
     bytes moved."""
-    slots = [(m, a) for m in model.modules() for a in STREAMED_COPIES
-             if isinstance(getattr(m, a, None), torch.Tensor)]
-    params = [p for p in model.parameters()
-              if p.numel() * p.element_size() >= LARGE_BYTES and p.is_contiguous()]
+    slots, params = _streamed(model)
     sizes = [getattr(m, a).numel() * getattr(m, a).element_size() for m, a in slots]
     sizes += [p.numel() * p.element_size() for p in params]
     if not sizes:
@@ -150,6 +151,23 @@ def streamed_to_huge_pages(model: torch.nn.Module) -> int:
     log.info("%.0f MB of streamed weights on huge pages (OS mode: %s)", sum(sizes) / 1e6,
              huge_pages.mode())
     return sum(sizes)
+
+
+def _streamed(model: torch.nn.Module) -> tuple[list[tuple], list[torch.nn.Parameter]]:
+    """What `streamed_to_huge_pages` moves: (Linear, attribute) of each streaming copy, and
+    the dense parameters of LARGE_BYTES or more."""
+    slots = [(m, a) for m in model.modules() for a in STREAMED_COPIES
+             if isinstance(getattr(m, a, None), torch.Tensor)]
+    params = [p for p in model.parameters()
+              if p.numel() * p.element_size() >= LARGE_BYTES and p.is_contiguous()]
+    return slots, params
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """The bytes `streamed_to_huge_pages` would move now."""
+    slots, params = _streamed(model)
+    return (sum(getattr(m, a).numel() * getattr(m, a).element_size() for m, a in slots)
+            + sum(p.numel() * p.element_size() for p in params))
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
