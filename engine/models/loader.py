@@ -105,6 +105,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
                                           if len(missing) > 8 else "")
         raise ValueError(f"model folder {folder} is missing weights: {shown}")
+    moved = 0       # bytes already on huge pages
     if kernels.batch_invariant:
         batch_invariant.enable(model, kernels.batch_invariant_linear)
     elif kernels.cpu_packed_linear and can_pack(dtype, device):
@@ -115,14 +116,12 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
         if bf16_gemm and not kernels.cpu_bf16_gemm_measure:   # forced: one kernel
             linear_choice.force(model, kernels.cpu_bf16_gemm_kernel)
         elif bf16_gemm:   # keep the copies where faster here, timed where they will lie
-            moved = huge_pages and streamed_to_huge_pages(model)
+            moved = streamed_to_huge_pages(model) if huge_pages else 0
             linear_choice.choose(model)
-            if moved and streamed_bytes(model) < moved:   # copies dropped: a tighter arena
-                streamed_to_huge_pages(model)
-            return model.eval(), cfg
     elif dtype == torch.float32 and torch.device(device).type == "cpu":
         linear_choice.choose_small_rows(model)
-    if huge_pages and torch.device(device).type == "cpu":
+    # (again where the choice dropped copies: a tighter arena)
+    if huge_pages and torch.device(device).type == "cpu" and streamed_bytes(model) != moved:
         streamed_to_huge_pages(model)
     return model.eval(), cfg
 
@@ -139,8 +138,7 @@ def streamed_to_huge_pages(model: torch.nn.Module) -> int:
     weights are its own and stay. Each original is dropped as it is copied. Returns the
     bytes moved."""
     slots, params = _streamed(model)
-    sizes = [getattr(m, a).numel() * getattr(m, a).element_size() for m, a in slots]
-    sizes += [p.numel() * p.element_size() for p in params]
+    sizes = [_nbytes(getattr(m, a)) for m, a in slots] + [_nbytes(p) for p in params]
     if not sizes:
         return 0
     arena = HugePageArena(sum(HugePageArena.footprint(n) for n in sizes))
@@ -153,21 +151,24 @@ def streamed_to_huge_pages(model: torch.nn.Module) -> int:
     return sum(sizes)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _streamed(model: torch.nn.Module) -> tuple[list[tuple], list[torch.nn.Parameter]]:
     """What `streamed_to_huge_pages` moves: (Linear, attribute) of each streaming copy, and
     the dense parameters of LARGE_BYTES or more."""
     slots = [(m, a) for m in model.modules() for a in STREAMED_COPIES
              if isinstance(getattr(m, a, None), torch.Tensor)]
     params = [p for p in model.parameters()
-              if p.numel() * p.element_size() >= LARGE_BYTES and p.is_contiguous()]
+              if _nbytes(p) >= LARGE_BYTES and p.is_contiguous() and p.device.type == "cpu"]
     return slots, params
 
 
 def streamed_bytes(model: torch.nn.Module) -> int:
     """The bytes `streamed_to_huge_pages` would move now."""
     slots, params = _streamed(model)
-    return (sum(getattr(m, a).numel() * getattr(m, a).element_size() for m, a in slots)
-            + sum(p.numel() * p.element_size() for p in params))
+    return sum(_nbytes(getattr(m, a)) for m, a in slots) + sum(_nbytes(p) for p in params)
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

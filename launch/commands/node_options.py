@@ -109,6 +109,10 @@ def add_engine_arguments(p: argparse.ArgumentParser,
                       help="on a CPU, give the KV cache and a step's working heap their "
                       "memory at start, not at their first use (a page's first touch is "
                       "slow in a VM; engine/kv_cache.py, engine/host_allocator.py)")
+    env_bool_argument(eng, "--huge-pages", "PDSERVE_HUGE_PAGES", default=True,
+                      help="on a CPU, the KV cache and the weights a decode step streams on "
+                      "2 MB pages where the OS gives them to memory that asks "
+                      "(engine/huge_pages.py)")
     env_flag(eng, "--no-prefix-caching", "PDSERVE_NO_PREFIX_CACHING",
              help="disable the prefix cache")
     env_argument(eng, "--seed", "PDSERVE_SEED", default=0, type=int)
@@ -174,7 +178,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(model=model, dtype=args.dtype, device=args.device,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                         kv_cache_memory_gb=args.kv_cache_memory_gb,
-                        prefault_memory=args.prefault_memory,
+                        prefault_memory=args.prefault_memory, huge_pages=args.huge_pages,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len,

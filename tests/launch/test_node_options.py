@@ -45,6 +45,14 @@ def test_nodes_prefault_their_kv_cache_unless_told_not_to(monkeypatch):
     assert c.prefault_memory is False
 
 
+def test_nodes_use_huge_pages_unless_told_not_to(monkeypatch):
+    assert config().huge_pages is True
+    assert config("--no-huge-pages").huge_pages is False
+    monkeypatch.setenv("PDSERVE_HUGE_PAGES", "0")
+    c = engine_config_from_args(build_parser().parse_args(["decode", "--model", "/m"]))
+    assert c.huge_pages is False
+
+
 def test_env_variables_are_read(monkeypatch):
     monkeypatch.setenv("PDSERVE_ENABLE_GRAPH", "1")
     monkeypatch.setenv("PDSERVE_SPECULATIVE_METHOD", "mtp")
