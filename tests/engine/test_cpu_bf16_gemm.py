@@ -152,14 +152,18 @@ def test_linear_takes_it_when_it_has_the_copy():
                                  "head": Linear(64, 128)}).bfloat16()
     dense = {k: m.weight.detach().clone() for k, m in model.items()}
     bias = model["a"].bias.detach().clone()
+    head_bias = model["head"].bias.detach().clone()
     pack_linears(model, keep_dense=("head",), bf16_gemm=True)
     assert model["a"].gemm_packed is not None
     assert model["b"].gemm_packed is None            # 48 columns: oneDNN only
-    assert model["head"].gemm_packed is None         # kept dense: never copied
+    # kept dense (a tied head): copied too, its dense weight staying beside the copy
+    assert model["head"].gemm_packed is not None
+    assert torch.equal(model["head"].weight, dense["head"])
     with torch.no_grad():
         for m in (1, 5, 64, 257):
             x = torch.randn(m, 64).bfloat16()
             assert torch.equal(model["a"](x), _reference(x, dense["a"], bias))
+            assert torch.equal(model["head"](x), _reference(x, dense["head"], head_bias))
         x = torch.randn(9, 64).bfloat16()          # no copy: oneDNN's packed weight
         onednn = torch.ops.mkldnn._linear_pointwise(x, model["b"].packed, model["b"].bias,
                                                     "none", [], "")
