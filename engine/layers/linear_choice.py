@@ -49,8 +49,11 @@ log = logging.getLogger(__name__)
 BUCKETS = (("decode", 16), ("prefill", 4 * GEMM_SMALL_ROWS))   # rows timed
 
 
-def choose(model: torch.nn.Module) -> dict[str, str]:
-    """Set each copy-holding Linear's buckets; returns {group and bucket: kernel}."""
+def choose(model: torch.nn.Module, pages: str = "") -> dict[str, str]:
+    """Set each copy-holding Linear's buckets; returns {group and bucket: kernel}. pages:
+    where the copies lie when not on the heap ("huge pages": the loader moved them there,
+    engine/huge_pages.py), part of the kept choice's key, since the copies stream faster
+    from huge pages (the LM head's won there and lost on 4 KB pages)."""
     groups: dict[tuple, list[Linear]] = {}
     for m in model.modules():
         if isinstance(m, Linear) and (m.gemm_packed is not None
@@ -63,6 +66,7 @@ def choose(model: torch.nn.Module) -> dict[str, str]:
         won = {}
         for bucket, rows in BUCKETS:
             key = f"bf16_linear {form} [{n}, {k}] {bucket} x{len(layers)} {build}"
+            key += f" on {pages}" if pages else ""
             name = kernel_choice.CHOICES.choose(
                 key, lambda rows=rows, form=form, layers=layers: _measure(form, layers, rows),
                 still_valid=lambda kept, rows=rows: kept in candidate_names(rows))

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from engine import huge_pages
 from engine.huge_pages import HugePageArena
+from engine.huge_pages import advised as huge_pages_advised
 from engine.layers import batch_invariant, cpu_bf16_gemm, linear_choice
 from engine.layers.kernel_options import KernelOptions
 from engine.layers.linear import can_pack, pack_linears
@@ -117,7 +118,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device,
             linear_choice.force(model, kernels.cpu_bf16_gemm_kernel)
         elif bf16_gemm:   # keep the copies where faster here, timed where they will lie
             moved = streamed_to_huge_pages(model) if huge_pages else 0
-            linear_choice.choose(model)
+            linear_choice.choose(model, "huge pages" if moved and huge_pages_advised() else "")
     elif dtype == torch.float32 and torch.device(device).type == "cpu":
         linear_choice.choose_small_rows(model)
     # (again where the choice dropped copies: a tighter arena)

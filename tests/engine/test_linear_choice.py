@@ -124,3 +124,21 @@ def test_a_kept_brgemm_choice_for_prefill_calls_is_measured_again(tmp_path, monk
     pack_linears(again := _model(1), bf16_gemm=True)
     assert linear_choice.choose(again)["gemm [96, 128] prefill"] in ("bf16_gemm", "onednn")
     assert json.loads(path.read_text())[prefill[0]] != "brgemm"
+
+
+def test_the_choice_is_kept_apart_for_copies_on_huge_pages(tmp_path, monkeypatch):
+    """Copies streamed from huge pages run faster than from the heap (the LM head's won
+    there and lost on 4 KB pages): a choice made for one placement is not reused for the
+    other, each is kept under its own key."""
+    path = tmp_path / "c.json"
+    monkeypatch.setattr(kernel_choice, "CHOICES", kernel_choice.ChoiceCache(path))
+    pack_linears(model := _model(1), bf16_gemm=True)
+    linear_choice.choose(model)
+    heap = set(json.loads(path.read_text()))
+    pack_linears(again := _model(1), bf16_gemm=True)
+    linear_choice.choose(again, "huge pages")
+    both = set(json.loads(path.read_text()))
+    added = both - heap
+    assert len(heap) == 2 and len(added) == 2           # decode and prefill, each placement
+    assert all(k.endswith(" on huge pages") for k in added)
+    assert not any(k.endswith(" on huge pages") for k in heap)
