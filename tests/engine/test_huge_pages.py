@@ -15,29 +15,12 @@ from engine.kv_cache import KVCache
 from engine.layers import cpu_bf16_gemm
 from engine.layers.kernel_options import KernelOptions
 from engine.models.loader import LARGE_BYTES, STREAMED_COPIES, load_model
+from tests.smaps import mapping_of
 from tests.tiny_models import KERNEL_SHAPES, _config
 
 
-def _smaps_field(address: int, field: str) -> int:
-    """`field` (e.g. THPeligible) of this process's mapping holding `address`."""
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split()[0]
-        if "-" not in head or not all(c in "0123456789abcdef-" for c in head):
-            continue
-        lo, hi = (int(x, 16) for x in head.split("-"))
-        if lo <= address < hi:
-            for ln in lines[i + 1:]:
-                if ln.startswith(field + ":"):
-                    return int(ln.split()[1])
-                if "-" in ln.split()[0] and ":" not in ln.split()[0]:
-                    break
-    raise AssertionError(f"no {field} for a mapping holding {address:#x}")
-
-
 def _eligible(address: int) -> bool:
-    return _smaps_field(address, "THPeligible") == 1
+    return mapping_of(address)[1]["THPeligible"] == 1
 
 
 def _expected(advised: bool) -> bool:

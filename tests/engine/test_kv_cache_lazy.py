@@ -3,6 +3,7 @@
 import torch
 
 from engine.kv_cache import KVCache
+from tests.smaps import mapping_of
 
 
 def _rss_bytes() -> int:
@@ -52,17 +53,8 @@ def test_prefaulted_cache_is_zero_and_resident_from_the_start():
 
 def _resident_bytes_of_mapping(address: int) -> tuple[int, int]:
     """(size, resident bytes) of this process's mapping that holds `address` (smaps)."""
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split()[0]
-        if "-" not in head or not all(c in "0123456789abcdef-" for c in head):
-            continue
-        lo, hi = (int(x, 16) for x in head.split("-"))
-        if lo <= address < hi:
-            rss = next(ln for ln in lines[i + 1:] if ln.startswith("Rss:"))
-            return hi - lo, int(rss.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+    size, fields = mapping_of(address)
+    return size, fields["Rss"] * 1024
 
 
 def test_offline_llm_maps_its_cache_at_start_unless_told_not_to(tmp_path):

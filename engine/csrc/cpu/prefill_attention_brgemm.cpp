@@ -86,20 +86,12 @@ inline __m256i to_bf16(__m512 x) {
 #endif
 }
 
-// 2^t for t <= 0 on 16 lanes: t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a
-// degree-6 polynomial (relative error ~2e-7, as exp_nonpos16), 2^n by scalef, which
-// underflows to 0 cleanly. The softmax's exp(s * scale - m) is 2^(s * scale log2 e -
-// m log2 e), one fmadd with the constants folded: 10 operations a vector where
-// exp_nonpos16 after its own fmadd takes 18, and the softmax is most of this kernel.
+// 2^t for t <= 0 on 16 lanes (vec.h's exp2_16, t clamped where the result is 0 anyway).
+// The softmax's exp(s * scale - m) is 2^(s * scale log2 e - m log2 e), one fmadd with the
+// constants folded: 10 operations a vector where exp_nonpos16 after its own fmadd takes
+// 18, and the softmax is most of this kernel.
 inline __m512 exp2_nonpos16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-160.f));  // 2^-160 is 0 in float32 already
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  for (const float c :
-       {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+  return exp2_16(_mm512_max_ps(t, _mm512_set1_ps(-160.f)));  // 2^-160 is 0 in float32
 }
 
 // K block [BN keys][64] -> [32 pairs][BN keys][2]: as uint32, a transpose

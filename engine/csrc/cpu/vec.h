@@ -77,18 +77,23 @@ inline __m512 exp_nonpos16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// silu(g) * u on 16 float lanes. The sigmoid comes from e = 2^(-|g| log2 e), in (0, 1]
-// (2^f of the fraction by a degree-6 polynomial, the integer part by scalef, which
-// underflows to 0 cleanly): 1 / (1 + e) for g >= 0, e / (1 + e) below; NaN stays NaN
-inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 t = _mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504088896341f));
+// 2^t on 16 lanes, t finite: t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a
+// degree-6 polynomial (relative error ~2e-7), 2^n by scalef, which underflows to 0
+// cleanly. Explicit fmadds: the same bits under any -ffp-contract
+inline __m512 exp2_16(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.5403530e-4f);
   for (const float c :
        {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  const __m512 e = _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) * u on 16 float lanes. The sigmoid comes from e = 2^(-|g| log2 e), in (0, 1]
+// (exp2_16): 1 / (1 + e) for g >= 0, e / (1 + e) below; NaN stays NaN
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = exp2_16(_mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504088896341f)));
   const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.0f), e),
                                    _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
