@@ -64,6 +64,7 @@ LIBRARY = "pdserve_cpu.so"
 SOURCES = {
     "paged_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "paged_attention_amx.cpp": ["-ffast-math", "-fno-finite-math-only"],
+    "paged_attention_f32.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "prefill_attention.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "prefill_attention_brgemm.cpp": ["-ffast-math", "-fno-finite-math-only"],
     "latent_attention.cpp": ["-fno-math-errno"],

@@ -25,14 +25,15 @@ from tests.cpu_features import requires_amx_bf16
 D, BS, HK = 64, 16, 2
 
 
-def _reference(q, kc, vc, tables, lens, scale):
-    """Attention of each row over its first `lens[r]` keys, in float32 (zeros for none)."""
+def _reference(q, kc, vc, tables, lens, scale, rows=1):
+    """Attention of each row over its first `lens[r]` keys, in float32 (zeros for none);
+    `rows` consecutive rows a sequence share its block table (a verify run)."""
     out = torch.zeros(q.shape, dtype=torch.float32)
     g = q.shape[1] // HK
     for r, n in enumerate(lens.tolist()):
         if n == 0:
             continue
-        blocks = tables[r, :math.ceil(n / BS)].long()
+        blocks = tables[r // rows, :math.ceil(n / BS)].long()
         k = kc[:, blocks].reshape(HK, -1, D)[:, :n].float()     # [HK, n, D]
         v = vc[:, blocks].reshape(HK, -1, D)[:, :n].float()
         qr = q[r].float().view(HK, g, D)
@@ -100,7 +101,7 @@ def test_rows_match_reference_and_do_not_depend_on_the_batch(path, seed, lens, g
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_thread_count_does_not_change_bits(dtype):
     """The same batch on one thread and on two: the split by keys moves rows between
-    threads, never changes a row's arithmetic (float32 takes the generic loop)."""
+    threads, never changes a row's arithmetic."""
     q, kc, vc, tables, kv_lens = _batch(7, [5, 300, 17, 0, 129, 64, 1, 250], 3, dtype)
     before = torch.get_num_threads()
     try:
@@ -112,6 +113,38 @@ def test_thread_count_does_not_change_bits(dtype):
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     assert torch.equal(one[3], torch.zeros_like(one[3]))   # the row without keys
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16),
+       lens=st.lists(st.integers(0, 200), min_size=1, max_size=10),
+       groups=st.integers(1, 5), rows=st.integers(1, 4), threads=st.sampled_from([1, 2]))
+def test_float32_rows_match_reference_in_verify_runs_and_alone(seed, lens, groups, rows,
+                                                               threads):
+    """Float32 (the AVX2 path for 1-4 query heads a KV head, the generic loop for 5): each
+    row matches the float32 reference to rounding, verify runs of `rows` rows a sequence
+    included (row j of a run sees its sequence's keys up to itself), and a sequence's rows
+    have the same bits alone as in the batch."""
+    q, kc, vc, tables, kv_lens = _batch(seed, lens, groups, torch.float32)
+    q = q.repeat_interleave(rows, dim=0) + torch.randn(len(lens) * rows, 1, 1).mul(0.1)
+    row_lens = torch.tensor([max(0, n - rows + 1 + j) for n in lens for j in range(rows)],
+                            dtype=torch.int32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_paged_attention.paged_decode_attention(q, kc, vc, tables, row_lens, rows,
+                                                         0.125, "vector")
+        alone = [cpu_paged_attention.paged_decode_attention(
+            q[s * rows:(s + 1) * rows], kc, vc, tables[s:s + 1],
+            row_lens[s * rows:(s + 1) * rows], rows, 0.125, "vector") for s in range(len(lens))]
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.float32 and not torch.isnan(got).any()
+    torch.testing.assert_close(got, _reference(q, kc, vc, tables, row_lens, 0.125, rows),
+                               rtol=1e-4, atol=1e-5)
+    for s in range(len(lens)):
+        assert torch.equal(got[s * rows:(s + 1) * rows], alone[s]), f"sequence {s}"
+    assert not got[row_lens == 0].any(), "a row without keys is zeros"
 
 
 @pytest.mark.parametrize("path", PATHS)

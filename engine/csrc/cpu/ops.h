@@ -17,6 +17,11 @@ namespace pdserve {
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at::Tensor bt,
                                   at::Tensor kvlen, int64_t rows, double scale);
 bool paged_bf16_d64_fast();
+// paged_attention_f32.cpp: float32, head_dim 64, 1-4 query heads a KV head, on AVX2 + FMA;
+// false (and `out` untouched) where it does not apply, so the caller takes its generic loop
+bool paged_decode_f32_d64(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                          const at::Tensor& bt, const at::Tensor& kvlen, at::Tensor& out,
+                          int64_t rows, double scale);
 
 // paged_attention_amx.cpp: the same for bf16 / head_dim 64 / 1-4 query heads a KV head /
 // blocks of 16k keys, scored on the AMX tiles; whether the CPU, the build and the OS allow

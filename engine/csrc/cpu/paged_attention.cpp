@@ -1,7 +1,8 @@
 // Paged decode attention on CPU: decode rows (and k+1-row speculative verify runs, and
 // batch-invariant mode's prefill rows one at a time) against the paged KV cache, float32
-// and bf16, with an AVX512-BF16 path for head_dim 64. Used by engine/layers/
-// cpu_paged_attention.py and, through ops.h, by decode_layers.cpp.
+// and bf16, with an AVX512-BF16 path for bf16 and head_dim 64 (float32's with head_dim 64
+// is paged_attention_f32.cpp). Used by engine/layers/cpu_paged_attention.py and, through
+// ops.h, by decode_layers.cpp.
 
 #include "cost_split.h"
 #include "ops.h"
@@ -286,6 +287,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kc, at::Tensor vc, at
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const int64_t d = q.size(2);
   if (q.scalar_type() == at::kFloat) {
+    if (d == 64 && paged_decode_f32_d64(q, kc, vc, btc, lens, out, rows, scale))
+      return out;  // the AVX2 kernel (paged_attention_f32.cpp)
     if (d == 64)
       paged_decode<float, 64>(q, kc, vc, btc, lens, out, rows, scale);
     else if (d == 128)

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,24 @@ inline float exp_nonpos(float x) {
   std::memcpy(&scale, &e, sizeof(scale));
   return y * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_nonpos on 8 lanes: the same range reduction and polynomial, fused multiply-adds
+inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN));
+  const __m256 n =
+      _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_POLY[i]));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
 
 #if defined(__AVX512F__)
 // exp_nonpos on 16 lanes: the same range reduction and polynomial, fused multiply-adds
