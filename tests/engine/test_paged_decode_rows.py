@@ -126,7 +126,8 @@ def test_float32_rows_match_reference_in_verify_runs_and_alone(seed, lens, group
     included (row j of a run sees its sequence's keys up to itself), and a sequence's rows
     have the same bits alone as in the batch."""
     q, kc, vc, tables, kv_lens = _batch(seed, lens, groups, torch.float32)
-    q = q.repeat_interleave(rows, dim=0) + torch.randn(len(lens) * rows, 1, 1).mul(0.1)
+    shift = torch.randn(len(lens) * rows, 1, 1, generator=torch.Generator().manual_seed(seed))
+    q = q.repeat_interleave(rows, dim=0) + shift.mul(0.1)       # verify rows differ
     row_lens = torch.tensor([max(0, n - rows + 1 + j) for n in lens for j in range(rows)],
                             dtype=torch.int32)
     before = torch.get_num_threads()
